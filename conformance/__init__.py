@@ -1,0 +1,1 @@
+"""Numerical conformance of JAX KDA implementations against frozen torch dumps."""

@@ -1,0 +1,176 @@
+"""Dump format v1: the names, shapes and encodings shared by the writer (`dump_gen`) and the reader.
+
+numpy only. See docs/dump-format.md for the prose version of this contract.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import numpy as np
+
+FORMAT_NAME = "kda-dump"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+WEIGHTS_FILE = "weights.npz"
+CASES_DIR = "cases"
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseSpec:
+    """One dump case: the sequence lengths of its packed batch and whether it starts from a state."""
+
+    case_id: str
+    seq_lens: tuple[int, ...]
+    initial_state: bool = False
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.seq_lens)
+
+    @property
+    def file(self) -> str:
+        return f"{CASES_DIR}/{self.case_id}.npz"
+
+
+# RFC §6.1: the twelve cases, in this order.
+STANDARD_CASES: tuple[CaseSpec, ...] = (
+    CaseSpec("T1", (1,)),
+    CaseSpec("T8", (8,)),
+    CaseSpec("T64", (64,)),
+    CaseSpec("T65", (65,)),
+    CaseSpec("T128", (128,)),
+    CaseSpec("T256", (256,)),
+    CaseSpec("T1024", (1024,)),
+    CaseSpec("varlen_balanced_4x32", (32, 32, 32, 32)),
+    CaseSpec("varlen_unbalanced_5_17_1_41", (5, 17, 1, 41)),
+    CaseSpec("varlen_single_T128", (128,)),
+    CaseSpec("single_T128_initstate", (128,), initial_state=True),
+    CaseSpec("varlen_initstate", (5, 17, 1, 41), initial_state=True),
+)
+CASES_BY_ID: dict[str, CaseSpec] = {case.case_id: case for case in STANDARD_CASES}
+
+
+def select_cases(case_ids: list[str] | None) -> tuple[CaseSpec, ...]:
+    """The standard cases named by `case_ids` (all twelve when None), or a ValueError naming the unknown."""
+    if not case_ids:
+        return STANDARD_CASES
+    unknown = [case_id for case_id in case_ids if case_id not in CASES_BY_ID]
+    if unknown:
+        raise ValueError(f"unknown case id(s) {unknown}; known cases: {list(CASES_BY_ID)}")
+    return tuple(CASES_BY_ID[case_id] for case_id in case_ids)
+
+
+# Input keys of a case file.
+INPUT_KEYS = ("hidden_states", "cu_seqlens", "initial_recurrent_state")
+
+# Result keys of the fp32 run; the bf16 run writes `out_bf16` and every other key with suffix `_bf16`.
+OUTPUT_KEY = "out"
+KERNEL_KEYS = (
+    "o_kda_chunk",
+    "recurrent_state_chunk",
+    "o_kda_fused_recurrent",
+    "recurrent_state_fused_recurrent",
+)
+INTERMEDIATE_KEYS = ("q_after_conv", "k_after_conv", "v_after_conv", "g", "beta", "g_out", "o_norm")
+OPTIONAL_KEYS = ("final_conv_state",)
+# Keys that stay float32 in a bf16 run (states and the fp32 gate path).
+FP32_IN_BF16_RUN = frozenset(
+    {"recurrent_state_chunk", "recurrent_state_fused_recurrent", "g", "beta"}
+)
+DTYPES = ("fp32", "bf16")
+
+
+def result_key(name: str, dtype: str) -> str:
+    """The stored key of result `name` ("out", "o_kda_chunk", ...) in the run of `dtype`."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if name == OUTPUT_KEY:
+        return f"out_{dtype}"
+    return name if dtype == "fp32" else f"{name}_bf16"
+
+
+def expected_shape(name: str, *, tokens: int, num_seqs: int, config: dict) -> tuple[int, ...]:
+    """Shape of result or input `name` (without dtype suffix) for a case of `tokens` and `num_seqs`."""
+    hidden, heads, dim = config["hidden_size"], config["num_heads"], config["head_dim"]
+    width = config["conv_size"]
+    shapes = {
+        "hidden_states": (tokens, hidden),
+        "cu_seqlens": (num_seqs + 1,),
+        "initial_recurrent_state": (num_seqs, heads, dim, dim),
+        "out": (tokens, hidden),
+        "o_kda_chunk": (tokens, heads, dim),
+        "o_kda_fused_recurrent": (tokens, heads, dim),
+        "recurrent_state_chunk": (num_seqs, heads, dim, dim),
+        "recurrent_state_fused_recurrent": (num_seqs, heads, dim, dim),
+        "q_after_conv": (tokens, heads, dim),
+        "k_after_conv": (tokens, heads, dim),
+        "v_after_conv": (tokens, heads, dim),
+        "g": (tokens, heads, dim),
+        "beta": (tokens, heads),
+        "g_out": (tokens, heads, dim),
+        "o_norm": (tokens, heads, dim),
+        "final_conv_state": (num_seqs, width - 1, 3 * heads * dim),
+    }
+    if name not in shapes:
+        raise KeyError(f"no shape rule for dump key {name!r}")
+    return shapes[name]
+
+
+# Weight names (HF checkpoint names without the `model.layers.{i}.self_attn.` prefix), torch layout.
+def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    hidden, heads, dim, width = (
+        config["hidden_size"],
+        config["num_heads"],
+        config["head_dim"],
+        config["conv_size"],
+    )
+    proj = heads * dim
+    return {
+        "q_proj.weight": (proj, hidden),
+        "k_proj.weight": (proj, hidden),
+        "v_proj.weight": (proj, hidden),
+        "q_conv1d.weight": (proj, 1, width),
+        "k_conv1d.weight": (proj, 1, width),
+        "v_conv1d.weight": (proj, 1, width),
+        "f_a_proj.weight": (dim, hidden),
+        "f_b_proj.weight": (proj, dim),
+        "A_log": (1, 1, heads, 1),
+        "dt_bias": (proj,),
+        "b_proj.weight": (heads, hidden),
+        "g_a_proj.weight": (dim, hidden),
+        "g_b_proj.weight": (proj, dim),
+        "o_norm.weight": (dim,),
+        "o_proj.weight": (hidden, proj),
+    }
+
+
+# --- bf16 bit encoding: a uint16 array holds raw bfloat16 bits -------------------------------------
+
+
+def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """Decode raw bfloat16 bits (uint16) to float32, exactly."""
+    if bits.dtype != np.uint16:
+        raise TypeError(f"expected uint16 bfloat16 bits, got dtype {bits.dtype}")
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def float32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
+    """Encode float32 values that are already bf16-representable as raw bits (exact; no rounding)."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    words = values.view(np.uint32)
+    if np.any(words & 0xFFFF):
+        raise ValueError("values are not bfloat16-representable; round them to bf16 before encoding")
+    return (words >> 16).astype(np.uint16)
+
+
+def decode_array(array: np.ndarray) -> np.ndarray:
+    """A stored array as float32 (uint16 → bf16 bits decoded), ints untouched."""
+    if array.dtype == np.uint16:
+        return bf16_bits_to_float32(array)
+    return array
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

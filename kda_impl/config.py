@@ -1,0 +1,118 @@
+"""Shape and numeric configuration of one KDA layer, and the named presets.
+
+Pure Python (no JAX import) so that the torch dump generator can share the presets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class KDAConfig:
+    """Configuration of one KDA layer.
+
+    `hidden_size` is the model width; the q/k/v/g width is `P = num_heads * head_dim`.
+    """
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    conv_size: int = 4
+    rms_norm_eps: float = 1e-5
+    preset: str = "custom"
+    # 1-based indices of the KDA layers in the full model (the other layers are MLA).
+    kda_layers: tuple[int, ...] = ()
+    num_hidden_layers: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_heads", "head_dim", "conv_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"KDAConfig.{name} must be a positive integer, got {value!r}")
+        if self.conv_size < 2:
+            raise ValueError(f"KDAConfig.conv_size must be >= 2 (a state of conv_size-1 inputs), got {self.conv_size}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"KDAConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+
+    @property
+    def proj_dim(self) -> int:
+        """P = num_heads * head_dim, the width of q, k, v, g and the output gate."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the q|k|v short convolution (3P)."""
+        return 3 * self.proj_dim
+
+    def is_kda_layer(self, layer_idx: int) -> bool:
+        """Whether 0-based `layer_idx` is a KDA layer (`kda_layers` is 1-based, as in config.json)."""
+        return (layer_idx + 1) in self.kda_layers
+
+    def to_manifest(self) -> dict[str, Any]:
+        """The `config` block of a dump manifest."""
+        return {
+            "hidden_size": self.hidden_size,
+            "num_heads": self.num_heads,
+            "head_dim": self.head_dim,
+            "conv_size": self.conv_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "preset": self.preset,
+        }
+
+    @classmethod
+    def from_manifest(cls, block: dict[str, Any]) -> KDAConfig:
+        """Inverse of `to_manifest`; unknown keys are ignored, missing ones named."""
+        required = ("hidden_size", "num_heads", "head_dim", "conv_size", "rms_norm_eps")
+        missing = [key for key in required if key not in block]
+        if missing:
+            raise ValueError(f"manifest config block lacks {missing}; found keys {sorted(block)}")
+        return cls(
+            hidden_size=int(block["hidden_size"]),
+            num_heads=int(block["num_heads"]),
+            head_dim=int(block["head_dim"]),
+            conv_size=int(block["conv_size"]),
+            rms_norm_eps=float(block["rms_norm_eps"]),
+            preset=str(block.get("preset", "custom")),
+        )
+
+    def replace(self, **changes: Any) -> KDAConfig:
+        return dataclasses.replace(self, **changes)
+
+
+# Kimi-Linear-48B-A3B config.json: hidden_size 2304, linear_attn_config {num_heads 32, head_dim 128,
+# short_conv_kernel_size 4, kda_layers}, rms_norm_eps 1e-5, 27 layers of which 7 are MLA.
+_KIMI_KDA_LAYERS = (1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26)
+
+PRESETS: dict[str, KDAConfig] = {
+    "kimi-linear-48b-a3b": KDAConfig(
+        hidden_size=2304,
+        num_heads=32,
+        head_dim=128,
+        conv_size=4,
+        rms_norm_eps=1e-5,
+        preset="kimi-linear-48b-a3b",
+        kda_layers=_KIMI_KDA_LAYERS,
+        num_hidden_layers=27,
+    ),
+    # Small enough for the committed golden set and CPU tests; keeps D a multiple of 32 and H > 1.
+    "mini": KDAConfig(
+        hidden_size=128,
+        num_heads=2,
+        head_dim=64,
+        conv_size=4,
+        rms_norm_eps=1e-5,
+        preset="mini",
+        kda_layers=(1,),
+        num_hidden_layers=1,
+    ),
+}
+
+
+def get_preset(name: str) -> KDAConfig:
+    """The named preset, or a ValueError listing the known ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; known presets: {sorted(PRESETS)}") from None
