@@ -1,0 +1,46 @@
+"""Pieces shared by the plain-JAX kernels: fp32 upcast, l2norm, the packed-batch bookkeeping."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+HIGHEST = jax.lax.Precision.HIGHEST
+L2NORM_EPS = 1e-6
+
+
+def l2norm(x: jax.Array) -> jax.Array:
+    """`x / sqrt(sum(x*x) + 1e-6)` over the last axis, in fp32 (fla's and HF's l2norm)."""
+    x = x.astype(jnp.float32)
+    return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def prepare_inputs(
+    q: jax.Array,  # [B, T, H, K]
+    k: jax.Array,  # [B, T, H, K]
+    v: jax.Array,  # [B, T, H, V]
+    g: jax.Array,  # [B, T, H, K]
+    beta: jax.Array,  # [B, T, H]
+    scale: float | None,
+    use_qk_l2norm_in_kernel: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, float]:
+    """Upcast to fp32 once, l2-normalise q and k if asked, resolve the default scale K**-0.5."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    q, k, v, g, beta = (jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    return q, k, v, g, beta, float(scale)
+
+
+def sequence_ids(cu_seqlens: jax.Array, tokens: int) -> jax.Array:
+    """i32[T]: the sequence each packed token belongs to (zero-length sequences own no token)."""
+    positions = jnp.arange(tokens, dtype=cu_seqlens.dtype)
+    return jnp.searchsorted(cu_seqlens[1:], positions, side="right").astype(jnp.int32)
+
+
+def initial_or_zeros(initial_state: jax.Array | None, shape: tuple[int, ...]) -> jax.Array:
+    """The fp32 initial states [N, H, K, V], zeros when none are given."""
+    if initial_state is None:
+        return jnp.zeros(shape, jnp.float32)
+    return jnp.asarray(initial_state, jnp.float32)
