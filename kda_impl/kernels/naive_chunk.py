@@ -16,10 +16,11 @@ chunks at once, and the `lax.scan` over chunks only carries S:
 `o = (scale q Γ - Aqk Wk) @ S0 + Aqk @ U`.
 
 Strong decay: the factorised form `(q exp(G)) @ (k exp(-G))^T` overflows fp32 once -G passes ~88
-(g reaches -60 per token). Here each chunk is split into sub-blocks of 16 rows. For the rows of
-sub-block I, every earlier column j < s_I (s_I = first row of I) is factorised around G at s_I:
-`exp(G_i - G_s) * exp(G_s - G_j)`, both factors <= 1. Inside the diagonal 16x16 blocks the decay is
-applied element-wise, exactly.
+(g reaches -60 per token), and `exp(G_i - G_j)` from two long prefix sums loses ~eps*|G| to
+cancellation once strong decays precede weak ones. Here no exponent is ever a difference: Γ and the
+decay to the chunk end are exps of one-segment sums, and the in-chunk scores are built by recursive
+halving, each lower-left quadrant factorised around its middle row into two products of per-token
+decays exp(g) <= 1 (`decay_scores`).
 
 Packed batches: every sequence is cut into its own chunks (the last one padded with zeros), so no
 chunk holds two sequences, and the padded tail has k = v = beta = g = 0, which leaves the state exactly
@@ -37,8 +38,6 @@ import numpy as np
 
 from kda_impl.kernels.common import HIGHEST, initial_or_zeros, prepare_inputs, sequence_ids
 from kda_impl.kernels.validation import static_validate_inputs
-
-SUB_BLOCK = 16
 
 
 def chunk_kda(
@@ -68,24 +67,52 @@ def chunk_kda(
         output_final_state: return the final state of every sequence.
         cu_seqlens: `i32[N + 1]` offsets of a packed batch (then B must be 1).
         use_qk_l2norm_in_kernel: l2-normalise q and k (fp32) first.
-        chunk_size: tokens per chunk, a multiple of 16.
+        chunk_size: tokens per chunk, a power of two.
 
     Returns:
         `(o, final_state)`: o `[B, T, H, V]` in q's dtype, final_state `[N, H, K, V]` fp32 or None.
     """
     shapes = static_validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    if chunk_size % SUB_BLOCK or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive multiple of {SUB_BLOCK}, got {chunk_size}")
+    if chunk_size <= 0 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
+    if cu_seqlens is None:
+        cu_seqlens = jnp.arange(shapes.batch + 1, dtype=jnp.int32) * shapes.tokens
+    o, final = _chunk_kda(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state,
+        jnp.asarray(cu_seqlens, jnp.int32),
+        scale=scale,
+        chunk_size=chunk_size,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    )
+    return o, (final if output_final_state else None)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "use_qk_l2norm_in_kernel"))
+def _chunk_kda(
+    q: jax.Array,  # [B, T, H, K]
+    k: jax.Array,  # [B, T, H, K]
+    v: jax.Array,  # [B, T, H, V]
+    g: jax.Array,  # [B, T, H, K]
+    beta: jax.Array,  # [B, T, H]
+    initial_state: jax.Array | None,  # [N, H, K, V]
+    cu_seqlens: jax.Array,  # i32[N + 1], offsets into the B*T flattened tokens
+    *,
+    scale: float | None,
+    chunk_size: int,
+    use_qk_l2norm_in_kernel: bool,
+) -> tuple[jax.Array, jax.Array]:
+    batch, tokens, heads, _ = q.shape
     out_dtype = q.dtype
     q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    init = initial_or_zeros(initial_state, (shapes.num_seqs, shapes.heads, shapes.key_dim, shapes.value_dim))
-    batch, tokens = shapes.batch, shapes.tokens
-    if cu_seqlens is None:
-        cu_seqlens = jnp.arange(batch + 1, dtype=jnp.int32) * tokens
+    init = initial_or_zeros(initial_state, (cu_seqlens.shape[0] - 1, heads, k.shape[-1], v.shape[-1]))
     flat = [x.reshape(batch * tokens, *x.shape[2:]) for x in (q, k, v, g, beta)]
-    o, final = _chunk_packed(*flat, init, jnp.asarray(cu_seqlens, jnp.int32), scale, chunk_size)
-    o = o.reshape(batch, tokens, shapes.heads, shapes.value_dim)
-    return o.astype(out_dtype), (final if output_final_state else None)
+    o, final = _chunk_packed(*flat, init, cu_seqlens, scale, chunk_size)
+    return o.reshape(batch, tokens, heads, v.shape[-1]).astype(out_dtype), final
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,10 +238,19 @@ def intra_chunk(
     scale: float,
 ) -> IntraChunk:
     """All state-independent work of every chunk, batched over chunks and heads."""
-    sums = segment_sums(g)
-    a_qk, a_kk = decay_scores(q * scale, k, sums)
+    size = g.shape[2]
+    rows = np.arange(size)
+    # Prefix sums from the chunk start and suffix sums to its end are sums of one segment each (no
+    # difference of two long sums): accurate whatever decays came before.
+    prefix = jnp.einsum(
+        "it,nhtk->nhik", jnp.asarray(rows[None, :] <= rows[:, None], g.dtype), g, precision=HIGHEST
+    )
+    to_end = jnp.einsum(
+        "it,nhtk->nhik", jnp.asarray(rows[None, :] > rows[:, None], g.dtype), g, precision=HIGHEST
+    )
+    a_qk, a_kk = decay_scores(q * scale, k, g)
     a_kk = a_kk * beta[..., None]
-    decay = jnp.exp(sums.prefix)  # Γ <= 1
+    decay = jnp.exp(prefix)  # Γ <= 1
     rhs = jnp.concatenate([v, k * decay], axis=-1) * beta[..., None]
     solved = jax.lax.linalg.triangular_solve(
         a_kk, rhs, left_side=True, lower=True, unit_diagonal=True
@@ -225,98 +261,68 @@ def intra_chunk(
         a_qk=a_qk,
         u=solved[..., :value_dim],
         w_k=solved[..., value_dim:],
-        k_to_end=k * jnp.exp(sums.to_end),
+        k_to_end=k * jnp.exp(to_end),
         decay_to_end=decay[:, :, -1, :],
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class SegmentSums:
-    """Sums of g over the segments the decays need, each summed directly (never as a difference of
-    two prefix sums, which loses ~eps*|prefix| to cancellation once strong decays precede weak ones).
-    With s_I the first row of 16-row block I, and seg(a, b] = sum of g over rows a+1..b:
-
-    prefix: [NC, H, C, K]          seg(-1, i], so Γ_i = exp(prefix_i)
-    to_end: [NC, H, C, K]          seg(i, C-1], the decay from row i to the chunk end
-    row:    [NC, H, nb, B, K]      seg(s_I, i] for row i of block I
-    column: [NC, H, nb, C, K]      seg(j, s_I] for every column j < s_I (0 elsewhere)
-    pair:   [NC, H, nb, B, B, K]   seg(j, i] for rows j <= i of block I (0 elsewhere)
-    """
-
-    prefix: jax.Array
-    to_end: jax.Array
-    row: jax.Array
-    column: jax.Array
-    pair: jax.Array
-
-
-def segment_sums(g: jax.Array) -> SegmentSums:  # g: [NC, H, C, K]
-    """All segment sums as products with constant 0/1 masks (exact weights, fp32 accumulation)."""
-    chunks, heads, size, dim = g.shape
-    blocks = size // SUB_BLOCK
-    g_b = g.reshape(chunks, heads, blocks, SUB_BLOCK, dim)
-    c = np.arange(size)
-    b = np.arange(SUB_BLOCK)
-    masked_sum = functools.partial(jnp.einsum, precision=HIGHEST)
-    prefix = masked_sum("it,nhtk->nhik", jnp.asarray(c[None, :] <= c[:, None], g.dtype), g)
-    to_end = masked_sum("it,nhtk->nhik", jnp.asarray(c[None, :] > c[:, None], g.dtype), g)
-    row = masked_sum(
-        "it,nhbtk->nhbik", jnp.asarray((b[None, :] > 0) & (b[None, :] <= b[:, None]), g.dtype), g_b
-    )
-    # seg(j, s_I] = (rest of j's own block after j) + (whole blocks strictly between) + g[s_I].
-    rest_of_block = masked_sum("jt,nhbtk->nhbjk", jnp.asarray(b[None, :] > b[:, None], g.dtype), g_b)
-    block_totals = jnp.sum(g_b, axis=3)  # [NC, H, nb, K]
-    nb = np.arange(blocks)
-    strictly_between = (nb[None, None, :] > nb[None, :, None]) & (nb[None, None, :] < nb[:, None, None])
-    between = masked_sum("ijm,nhmk->nhijk", jnp.asarray(strictly_between, g.dtype), block_totals)
-    column_block = c // SUB_BLOCK
-    column = (
-        rest_of_block.reshape(chunks, heads, 1, size, dim)
-        + between[:, :, :, column_block, :]
-        + g_b[:, :, :, :1, :]
-    )  # [NC, H, nb, C, K]
-    earlier = (column_block[None, :] < nb[:, None])[None, None, :, :, None]
-    pair_mask = (b[None, None, :] > b[None, :, None]) & (b[None, None, :] <= b[:, None, None])
-    pair = masked_sum("ijt,nhbtk->nhbijk", jnp.asarray(pair_mask, g.dtype), g_b)
-    return SegmentSums(prefix, to_end, row, jnp.where(earlier, column, 0.0), pair)
+def _masked_row_sums(mask: np.ndarray, g: jax.Array) -> jax.Array:
+    """out[i] = sum_t mask[i, t] * g[t] along the chunk rows: [C, C] bool, [NC, H, C, K] → [NC, H, C, K]."""
+    return jnp.einsum("it,nhtk->nhik", jnp.asarray(mask, g.dtype), g, precision=HIGHEST)
 
 
 def decay_scores(
     q: jax.Array,  # [NC, H, C, K]
     k: jax.Array,  # [NC, H, C, K]
-    sums: SegmentSums,
+    g: jax.Array,  # [NC, H, C, K] log decay per row, <= 0
 ) -> tuple[jax.Array, jax.Array]:
-    """qk[i, j] (j <= i) and kk[i, j] (j < i) of `sum_d x_i[d] k_j[d] exp(seg(j, i][d])`.
+    """qk[i, j] (j <= i) and kk[i, j] (j < i) of `sum_d x_i[d] k_j[d] exp(g_{j+1}[d] + ... + g_i[d])`.
 
-    Never forms exp(+large): the rows of 16-row block I against the columns before it are factorised
-    around s_I, `exp(seg(s_I, i]) * exp(seg(j, s_I])`, both factors <= 1 (and the product is accurate
-    to ~eps * |exponent|, negligible once the product is); the diagonal 16x16 blocks use the exact
-    element-wise decay exp(seg(j, i]). Returns two [NC, H, C, C], zero above the (strict) diagonal.
+    The lower triangle is built by recursive halving. A group of 2h rows splits at its middle row m;
+    every (i, j) with i in the lower half and j in the upper half is factorised around m:
+    `exp(g_{m+1} + .. + g_i) * exp(g_{j+1} + .. + g_m)`, both exponents one-segment sums <= 0, so
+    nothing overflows and nothing cancels. Each (i > j) falls in exactly one such quadrant; the
+    diagonal is q_i . k_i. Work is O(C K log C) in small matmuls. Returns two [NC, H, C, C].
     """
     chunks, heads, size, dim = k.shape
-    blocks = size // SUB_BLOCK
-    as_blocks = lambda x: x.reshape(chunks, heads, blocks, SUB_BLOCK, dim)  # noqa: E731
-    q_b, k_b = as_blocks(q), as_blocks(k)
+    factors = jnp.exp(
+        jnp.einsum("lit,nhtk->lnhik", jnp.asarray(_halving_masks(size), g.dtype), g, precision=HIGHEST)
+    )  # [levels, NC, H, C, K]: per level, the row factors (lower halves) and column factors (upper)
+    # blocks: [2, NC, H, groups, h, h] the qk and kk lower-triangular diagonal blocks, from h = 1.
+    rows = jnp.stack([q, k])  # [2, NC, H, C, K]
+    blocks = jnp.stack([jnp.sum(q * k, axis=-1), jnp.zeros(q.shape[:-1], q.dtype)])[..., None, None]
+    for level in range(factors.shape[0]):
+        half = 2**level
+        groups = size // (2 * half)
+        factor = factors[level].reshape(chunks, heads, groups, 2 * half, dim)
+        columns = k.reshape(factor.shape)[..., :half, :] * factor[..., :half, :]
+        lower_rows = rows.reshape((2, *factor.shape))[..., half:, :] * factor[..., half:, :]
+        quadrant = jnp.einsum("xnhgik,nhgjk->xnhgij", lower_rows, columns, precision=HIGHEST)
+        top, bottom = blocks[:, :, :, 0::2], blocks[:, :, :, 1::2]
+        blocks = jnp.concatenate(
+            [
+                jnp.concatenate([top, jnp.zeros_like(top)], axis=-1),
+                jnp.concatenate([quadrant, bottom], axis=-1),
+            ],
+            axis=-2,
+        )  # [[top, 0], [quadrant, bottom]] for each pair of consecutive blocks
+    return blocks[0, :, :, 0], blocks[1, :, :, 0]
 
-    row_decay = jnp.exp(sums.row)  # [NC, H, nb, B, K]
-    rows = jnp.concatenate([q_b * row_decay, k_b * row_decay], axis=3)  # [NC, H, nb, 2B, K]
-    columns = k[:, :, None] * jnp.exp(sums.column)  # [NC, H, nb, C, K]
-    off = jnp.einsum("nhirk,nhick->nhirc", rows, columns, precision=HIGHEST)  # [NC, H, nb, 2B, C]
 
-    b = jnp.arange(SUB_BLOCK)
-    pair_decay = jnp.where((b[:, None] >= b[None, :])[..., None], jnp.exp(sums.pair), 0.0)
-    diag_qk = jnp.sum(q_b[..., :, None, :] * k_b[..., None, :, :] * pair_decay, axis=-1)
-    diag_kk = jnp.sum(k_b[..., :, None, :] * k_b[..., None, :, :] * pair_decay, axis=-1)
-    diag_kk = jnp.where(b[:, None] > b[None, :], diag_kk, 0.0)
-    diag = jnp.concatenate([diag_qk, diag_kk], axis=3)  # [NC, H, nb, 2B, B]
+def _halving_masks(size: int) -> np.ndarray:
+    """bool[levels, C, C]: row i's segment at level l (half h = 2**l, group of 2h rows, middle m).
 
-    column_block = jnp.arange(size) // SUB_BLOCK
-    off = jnp.where(column_block[None, None, :] < jnp.arange(blocks)[:, None, None], off, 0.0)
-    per_block = [
-        jax.lax.dynamic_update_slice_in_dim(off[:, :, i], diag[:, :, i], i * SUB_BLOCK, axis=3)
-        for i in range(blocks)
-    ]
-    scores = jnp.stack(per_block, axis=2)  # [NC, H, nb, 2B, C]
-    qk = scores[:, :, :, :SUB_BLOCK].reshape(chunks, heads, size, size)
-    kk = scores[:, :, :, SUB_BLOCK:].reshape(chunks, heads, size, size)
-    return qk, kk
+    Lower-half rows i sum g over (m, i]; upper-half rows j sum g over (j, m].
+    """
+    levels = size.bit_length() - 1
+    rows = np.arange(size)
+    masks = np.zeros((levels, size, size), bool)
+    for level in range(levels):
+        half = 2**level
+        middle = rows // (2 * half) * (2 * half) + half  # m of each row's group
+        lower = rows >= middle
+        t = rows[None, :]
+        i = rows[:, None]
+        m = middle[:, None]
+        masks[level] = np.where(lower[:, None], (t > m) & (t <= i), (t > i) & (t <= m))
+    return masks

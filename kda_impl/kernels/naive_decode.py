@@ -29,6 +29,7 @@ def decode_kda_slots(
     validate_decode_inputs(q, k, v, g, beta, state_buffer, slot_indices)
     out_dtype = q.dtype
     q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    state_buffer = jnp.asarray(state_buffer)
     states = state_buffer[slot_indices].astype(jnp.float32)
     states, o = recurrent_step(states, q * scale, k, v, g, beta)
     return o.astype(out_dtype), state_buffer.at[slot_indices].set(states.astype(state_buffer.dtype))

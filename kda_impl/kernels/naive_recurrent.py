@@ -10,6 +10,8 @@ line (kda-layer step 6):
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -64,17 +66,46 @@ def fused_recurrent_kda(
     Returns:
         `(o, final_state)`: o `[B, T, H, V]` in q's dtype, final_state `[N, H, K, V]` fp32 or None.
     """
-    shapes = static_validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    static_validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    if cu_seqlens is not None:
+        cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
+    o, final = _fused_recurrent_kda(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state,
+        cu_seqlens,
+        scale=scale,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    )
+    return o, (final if output_final_state else None)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm_in_kernel"))
+def _fused_recurrent_kda(
+    q: jax.Array,  # [B, T, H, K]
+    k: jax.Array,  # [B, T, H, K]
+    v: jax.Array,  # [B, T, H, V]
+    g: jax.Array,  # [B, T, H, K]
+    beta: jax.Array,  # [B, T, H]
+    initial_state: jax.Array | None,  # [N, H, K, V]
+    cu_seqlens: jax.Array | None,  # i32[N + 1]
+    *,
+    scale: float | None,
+    use_qk_l2norm_in_kernel: bool,
+) -> tuple[jax.Array, jax.Array]:
     out_dtype = q.dtype
+    num_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    q = q * scale
-    init = initial_or_zeros(initial_state, (shapes.num_seqs, shapes.heads, shapes.key_dim, shapes.value_dim))
+    init = initial_or_zeros(initial_state, (num_seqs, q.shape[2], k.shape[-1], v.shape[-1]))
     if cu_seqlens is None:
-        o, final = _scan_equal_lengths(q, k, v, g, beta, init)
+        o, final = _scan_equal_lengths(q * scale, k, v, g, beta, init)
     else:
-        o, final = _scan_packed(q[0], k[0], v[0], g[0], beta[0], init, jnp.asarray(cu_seqlens, jnp.int32))
+        o, final = _scan_packed(q[0] * scale, k[0], v[0], g[0], beta[0], init, cu_seqlens)
         o = o[None]
-    return o.astype(out_dtype), (final if output_final_state else None)
+    return o.astype(out_dtype), final
 
 
 def _scan_equal_lengths(

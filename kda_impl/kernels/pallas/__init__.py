@@ -1,0 +1,13 @@
+"""The Pallas KDA kernels (RFC §1.4, §4.2): native on TPU, interpret mode elsewhere.
+
+Same names and signatures as `kda_impl.kernels.naive` (their readable references), plus `interpret`
+(default: interpret unless the backend is TPU) and, for `chunk_kda`, fla's in-kernel gate
+(`use_gate_in_kernel`, `A_log`, `dt_bias`).
+"""
+
+from kda_impl.kernels.pallas.chunk import chunk_kda
+from kda_impl.kernels.pallas.common import kda_gate
+from kda_impl.kernels.pallas.decode import decode_kda_slots
+from kda_impl.kernels.pallas.recurrent import fused_recurrent_kda
+
+__all__ = ["chunk_kda", "decode_kda_slots", "fused_recurrent_kda", "kda_gate"]

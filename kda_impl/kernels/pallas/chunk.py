@@ -1,0 +1,330 @@
+"""`chunk_kda` as a Pallas kernel: the chunked (WY) form of `kda_impl.kernels.naive_chunk`, fused.
+
+Reference: `kda_impl.kernels.naive_chunk.chunk_kda` (same algorithm in plain JAX, whose docstring derives
+it) and `naive_recurrent.fused_recurrent_kda` (the recurrence itself); the tests hold all three equal.
+
+Grid `(H, NC)`: heads in parallel, the chunks of the packed batch in order. Each step takes one chunk
+of one head (`[C, K]` q, k, g, `[C, V]` v, `[C, 1]` beta), computes its state-independent part (decay
+scores exact under strong decay, `(I + A)^-1` by blocked substitution), then applies it to the state
+carried in VMEM scratch and writes the chunk's output. The state is reset from the sequence's initial
+state at each sequence's first chunk and written to its final-state block after every chunk of it; the
+initial and final blocks are chosen by the scalar-prefetched `seq` of each chunk, so a packed batch of
+any lengths runs with shapes that depend only on (T, N).
+
+Decays, as in naive_chunk: every exponent is a direct segment sum of g (a 0/1 mask matmul, never a
+difference of prefix sums); off-diagonal 16-row sub-blocks factorise around their first row (both factors
+<= 1); the 16x16 diagonal blocks take the exact element-wise decay one column of each block at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kda_impl.kernels.common import initial_or_zeros, prepare_inputs
+from kda_impl.kernels.naive_chunk import _to_chunks
+from kda_impl.kernels.pallas.common import (
+    chunk_schedule,
+    dot,
+    dot_nt,
+    kda_gate,
+    masked_sum,
+    resolve_interpret,
+)
+from kda_impl.kernels.pallas.tuning import CHUNK_SIZE, SUB_BLOCK
+from kda_impl.kernels.validation import static_validate_inputs
+
+
+def chunk_kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: jax.Array | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    chunk_size: int = CHUNK_SIZE,
+    use_gate_in_kernel: bool = False,
+    A_log: jax.Array | None = None,  # fla's name
+    dt_bias: jax.Array | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    r"""KDA over whole sequences, chunk by chunk (prefill), as one Pallas kernel.
+
+    Args:
+        q: queries `[B, T, H, K]`.
+        k: keys `[B, T, H, K]`.
+        v: values `[B, T, H, V]`.
+        g: per-channel log decay (<= 0) `[B, T, H, K]`; with `use_gate_in_kernel` the raw gate instead.
+        beta: write strengths `[B, T, H]`.
+        scale: query scale, default `K ** -0.5`.
+        initial_state: `[N, H, K, V]`, N = B, or the number of sequences with `cu_seqlens`.
+        output_final_state: return the final state of every sequence.
+        cu_seqlens: `i32[N + 1]` offsets of a packed batch (then B must be 1).
+        use_qk_l2norm_in_kernel: l2-normalise q and k (fp32) first.
+        chunk_size: tokens per chunk, a positive multiple of 16.
+        use_gate_in_kernel: compute `g = -exp(A_log[h]) * softplus(g + dt_bias[h])` inside the kernel.
+        A_log: `[H]`, with `use_gate_in_kernel` only.
+        dt_bias: `[H, K]` or fla's flat `[H * K]`, optional, with `use_gate_in_kernel` only.
+        interpret: run the kernel in interpret mode; default: unless the backend is TPU.
+
+    Returns:
+        `(o, final_state)`: o `[B, T, H, V]` in q's dtype, final_state `[N, H, K, V]` fp32 or None.
+    """
+    shapes = static_validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    if chunk_size % SUB_BLOCK or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive multiple of {SUB_BLOCK}, got {chunk_size}")
+    gate = validate_gate_inputs(use_gate_in_kernel, A_log, dt_bias, shapes.heads, shapes.key_dim)
+    out_dtype = q.dtype
+    q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    init = initial_or_zeros(initial_state, (shapes.num_seqs, shapes.heads, shapes.key_dim, shapes.value_dim))
+    batch, tokens = shapes.batch, shapes.tokens
+    if cu_seqlens is None:
+        cu_seqlens = jnp.arange(batch + 1, dtype=jnp.int32) * tokens
+    flat = [x.reshape(batch * tokens, *x.shape[2:]) for x in (q * scale, k, v, g, beta)]
+    o, final = _chunk_packed(
+        *flat,
+        init,
+        jnp.asarray(cu_seqlens, jnp.int32),
+        gate,
+        chunk_size=chunk_size,
+        interpret=resolve_interpret(interpret),
+    )
+    o = o.reshape(batch, tokens, shapes.heads, shapes.value_dim)
+    return o.astype(out_dtype), (final if output_final_state else None)
+
+
+def validate_gate_inputs(
+    use_gate_in_kernel: bool,
+    a_log: jax.Array | None,  # [H]
+    dt_bias: jax.Array | None,  # [H, K] or [H * K]
+    heads: int,
+    key_dim: int,
+) -> tuple[jax.Array, jax.Array] | None:
+    """The in-kernel gate's parameters as fp32 `([H, 1, 1], [H, 1, K])`, or None without the option."""
+    if not use_gate_in_kernel:
+        if a_log is not None or dt_bias is not None:
+            raise ValueError("A_log / dt_bias are only used with use_gate_in_kernel=True")
+        return None
+    if a_log is None:
+        raise ValueError("use_gate_in_kernel=True needs A_log [H]")
+    if a_log.shape != (heads,):
+        raise ValueError(f"A_log.shape={a_log.shape} must be [H]=({heads},)")
+    if dt_bias is None:
+        dt_bias = jnp.zeros((heads, key_dim), jnp.float32)
+    if dt_bias.shape not in ((heads, key_dim), (heads * key_dim,)):
+        raise ValueError(f"dt_bias.shape={dt_bias.shape} must be [H, K]={(heads, key_dim)} or [H * K]")
+    return (
+        jnp.asarray(a_log, jnp.float32).reshape(heads, 1, 1),
+        jnp.asarray(dt_bias, jnp.float32).reshape(heads, 1, key_dim),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "interpret"))
+def _chunk_packed(
+    q: jax.Array,  # [T, H, K] fp32, scaled
+    k: jax.Array,  # [T, H, K]
+    v: jax.Array,  # [T, H, V]
+    g: jax.Array,  # [T, H, K] log decay, or the raw gate with `gate`
+    beta: jax.Array,  # [T, H]
+    init: jax.Array,  # [N, H, K, V] fp32
+    cu_seqlens: jax.Array,  # i32[N + 1]
+    gate: tuple[jax.Array, jax.Array] | None,  # A_log [H, 1, 1], dt_bias [H, 1, K]
+    *,
+    chunk_size: int,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """Lay the packed batch out in chunks, run the kernel, gather o back: `(o [T, H, V], finals)`."""
+    heads, key_dim = q.shape[1:]
+    value_dim = v.shape[-1]
+    layout, schedule = chunk_schedule(cu_seqlens, q.shape[0], chunk_size)
+    qc, kc, vc, gc, bc = (_to_chunks(x, layout) for x in (q, k, v, g, beta))
+    num_chunks = qc.shape[0]
+
+    def chunk_block(dim: int) -> pl.BlockSpec:  # [NC, H, C, dim] → one chunk of one head
+        return pl.BlockSpec((None, None, chunk_size, dim), lambda h, c, *_: (c, h, 0, 0))
+
+    state_block = pl.BlockSpec((None, None, key_dim, value_dim), lambda h, c, seq, *_: (seq[c], h, 0, 0))
+    in_specs = [chunk_block(key_dim), chunk_block(key_dim), chunk_block(value_dim), chunk_block(key_dim)]
+    in_specs += [chunk_block(1), state_block]
+    inputs = [qc, kc, vc, gc, bc[..., None], init]
+    if gate is not None:
+        in_specs += [
+            pl.BlockSpec((None, 1, 1), lambda h, *_: (h, 0, 0)),
+            pl.BlockSpec((None, 1, key_dim), lambda h, *_: (h, 0, 0)),
+        ]
+        inputs += list(gate)
+    o_chunks, finals = pl.pallas_call(
+        functools.partial(_chunk_kernel, use_gate_in_kernel=gate is not None),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(schedule),
+            grid=(heads, num_chunks),
+            in_specs=in_specs,
+            out_specs=[chunk_block(value_dim), state_block],
+            scratch_shapes=[pltpu.VMEM((key_dim, value_dim), jnp.float32)],
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct((num_chunks, heads, chunk_size, value_dim), jnp.float32),
+            jax.ShapeDtypeStruct(init.shape, jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+    )(*schedule, *inputs)
+    o = o_chunks[layout.slot, :, layout.row]  # [T, H, V]
+    # A sequence of length zero owns no chunk: its final state is its initial one.
+    return o, jnp.where(layout.nonempty[:, None, None, None], finals, init)
+
+
+def _chunk_kernel(
+    # scalar prefetch
+    seq_ref: jax.Array,  # i32[NC] sequence of each chunk (used by the index maps)
+    first_ref: jax.Array,  # i32[NC] 1 at each sequence's first chunk
+    rows_ref: jax.Array,  # i32[NC] valid rows of each chunk
+    # inputs, outputs, scratch (with the gate parameters after the inputs when `use_gate_in_kernel`):
+    #   q, k, g [C, K]; v [C, V]; beta [C, 1]; init [K, V]; (A_log [1, 1], dt_bias [1, K]);
+    #   o [C, V]; final [K, V]; state scratch [K, V]
+    *refs: jax.Array,
+    use_gate_in_kernel: bool,
+) -> None:
+    if use_gate_in_kernel:
+        (
+            q_ref,
+            k_ref,
+            v_ref,
+            g_ref,
+            beta_ref,
+            init_ref,
+            a_log_ref,
+            dt_bias_ref,
+            o_ref,
+            final_ref,
+            state_ref,
+        ) = refs
+    else:
+        q_ref, k_ref, v_ref, g_ref, beta_ref, init_ref, o_ref, final_ref, state_ref = refs
+    chunk = pl.program_id(1)
+
+    @pl.when(first_ref[chunk] == 1)
+    def _reset() -> None:
+        state_ref[...] = init_ref[...]
+
+    g = g_ref[...]
+    if use_gate_in_kernel:  # padded rows must keep g = 0 so that they leave the state unchanged
+        valid = jax.lax.broadcasted_iota(jnp.int32, (g.shape[0], 1), 0) < rows_ref[chunk]
+        g = jnp.where(valid, kda_gate(g, a_log_ref[...], dt_bias_ref[...]), 0.0)
+    q, k, v, beta = q_ref[...], k_ref[...], v_ref[...], beta_ref[...]
+
+    prefix, to_end, from_block_start = _segment_sums(g)
+    a_qk, a_kk = _decay_scores(q, k, g, from_block_start)
+    decay = jnp.exp(prefix)  # Γ <= 1
+    inverse = _unit_lower_inverse(a_kk * beta)  # (I + A)^-1
+    u = dot(inverse, v * beta)
+    w_k = dot(inverse, k * decay * beta)
+    start = state_ref[...]
+    new_values = u - dot(w_k, start)  # [C, V]
+    o_ref[...] = dot(q * decay, start) + dot(a_qk, new_values)
+    chunk_decay = decay.T[:, -1:]  # [K, 1] Γ_C, the decay of the whole chunk per key channel
+    end = chunk_decay * start + dot((k * jnp.exp(to_end)).T, new_values)
+    state_ref[...] = end
+
+    @pl.when(rows_ref[chunk] > 0)  # the unused chunks at the end write nothing
+    def _write_final() -> None:
+        final_ref[...] = end
+
+
+def _iotas(size: int) -> tuple[jax.Array, jax.Array]:
+    """Row and column indices of a `[size, size]` matrix."""
+    return (
+        jax.lax.broadcasted_iota(jnp.int32, (size, size), 0),
+        jax.lax.broadcasted_iota(jnp.int32, (size, size), 1),
+    )
+
+
+def _block_of(index: jax.Array) -> jax.Array:
+    """The 16-row block of each row index (a shift: Mosaic's integer division needs a TPU to lower)."""
+    return jax.lax.shift_right_logical(index, SUB_BLOCK.bit_length() - 1)
+
+
+def _in_block(index: jax.Array) -> jax.Array:
+    """Each row index's position inside its 16-row block."""
+    return jax.lax.bitwise_and(index, SUB_BLOCK - 1)
+
+
+def _segment_sums(g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:  # g: [C, K]
+    """`(prefix, to_end, from_block_start)`, each `[C, K]`: for row i with s its 16-row block's first row,
+    seg(-1, i], seg(i, C-1] and seg(s, i] (seg(a, b] = sum of g over rows a+1..b), summed directly."""
+    i, t = _iotas(g.shape[0])
+    same_block = _block_of(i) == _block_of(t)
+    prefix = masked_sum(t <= i, g)
+    to_end = masked_sum(t > i, g)
+    from_block_start = masked_sum(same_block & (_in_block(t) > 0) & (t <= i), g)
+    return prefix, to_end, from_block_start
+
+
+def _decay_scores(
+    q: jax.Array,  # [C, K] scaled
+    k: jax.Array,  # [C, K]
+    g: jax.Array,  # [C, K]
+    from_block_start: jax.Array,  # [C, K] seg(s, i]
+) -> tuple[jax.Array, jax.Array]:
+    """qk[i, j] (j <= i) and kk[i, j] (j < i) of `sum_d x_i[d] k_j[d] exp(seg(j, i][d])`, `[C, C]` each.
+
+    Columns before row i's 16-row block: `exp(seg(s, i]) * exp(seg(j, s])`, both <= 1. Inside the block:
+    the exact `exp(seg(j, i])`, one block-local column j at a time for all blocks together.
+    """
+    size = q.shape[0]
+    i, t = _iotas(size)
+    block_of_row = _block_of(i)
+    row_decay = jnp.exp(from_block_start)
+    q_rows, k_rows = q * row_decay, k * row_decay
+    off_qk = off_kk = jnp.zeros((size, size), jnp.float32)
+    for block in range(1, size // SUB_BLOCK):
+        start = block * SUB_BLOCK
+        columns = k * jnp.exp(masked_sum((t > i) & (t <= start), g))  # k_j exp(seg(j, s]); j >= s unused
+        earlier = (block_of_row == block) & (t < start)
+        off_qk += jnp.where(earlier, dot_nt(q_rows, columns), 0.0)
+        off_kk += jnp.where(earlier, dot_nt(k_rows, columns), 0.0)
+
+    row = jax.lax.broadcasted_iota(jnp.int32, (size, 1), 0)
+    block_start = row - _in_block(row)  # [C, 1]
+
+    def block_column(local: jax.Array, scores: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        diag_qk, diag_kk = scores
+        column = block_start + local  # [C, 1] the column of row i's block this step fills
+        pair = masked_sum((block_of_row == _block_of(t)) & (t > column) & (t <= i), g)  # seg(column, i]
+        k_column = masked_sum(t == column, k)  # k[column] on every row (a one-hot, exact)
+        decayed = jnp.where(row >= column, k_column * jnp.exp(pair), 0.0)
+        at = t == column
+        diag_qk = jnp.where(at, jnp.sum(q * decayed, axis=1, keepdims=True), diag_qk)
+        diag_kk = jnp.where(at & (i > t), jnp.sum(k * decayed, axis=1, keepdims=True), diag_kk)
+        return diag_qk, diag_kk
+
+    zeros = jnp.zeros((size, size), jnp.float32)
+    diag_qk, diag_kk = jax.lax.fori_loop(0, SUB_BLOCK, block_column, (zeros, zeros))
+    return off_qk + diag_qk, off_kk + diag_kk
+
+
+def _unit_lower_inverse(a: jax.Array) -> jax.Array:  # a: [C, C] strictly lower triangular
+    """`(I + a)^-1` at fp32 accuracy, by substitution (Pallas TPU has no triangular_solve).
+
+    The 16x16 diagonal blocks D first: `X <- I - a_D X` fixes one more row of every block per step, so 15
+    steps are forward substitution. Then the blocks below: with P = D^-1 a_off, `Y <- D^-1 - P Y` fixes
+    one more block row per step (block forward substitution, as fla's solve_tril merges its blocks).
+    """
+    size = a.shape[0]
+    i, t = _iotas(size)
+    same_block = _block_of(i) == _block_of(t)
+    eye = (i == t).astype(jnp.float32)
+    within = jnp.where(same_block, a, 0.0)
+    inv_diag = jax.lax.fori_loop(0, SUB_BLOCK - 1, lambda _, x: eye - dot(within, x), eye)
+    across = dot(inv_diag, jnp.where(same_block, 0.0, a))
+    blocks = size // SUB_BLOCK
+    return jax.lax.fori_loop(0, blocks - 1, lambda _, y: inv_diag - dot(across, y), inv_diag)

@@ -1,0 +1,99 @@
+"""Pieces shared by the Pallas KDA kernels: interpret-mode choice, fp32 dots, the gate, the column layout
+of one token and the per-chunk schedule read through scalar prefetch."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kda_impl.kernels.common import HIGHEST
+from kda_impl.kernels.naive_chunk import ChunkLayout, chunk_layout
+
+SOFTPLUS_THRESHOLD = 20.0
+COLUMNS = 4  # q, k, g, beta of one token as the columns of a [K, 4] block (see `pack_columns`)
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """Interpret mode unless running on TPU, where the kernels compile with Mosaic."""
+    if interpret is None:
+        return jax.default_backend() != "tpu"
+    return interpret
+
+
+def dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`a @ b` accumulated in fp32 at full precision."""
+    return jnp.dot(a, b, precision=HIGHEST, preferred_element_type=jnp.float32)
+
+
+def dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`a @ b.T` (contracting the last dims) accumulated in fp32 at full precision."""
+    return jax.lax.dot_general(
+        a, b, (((1,), (1,)), ((), ())), precision=HIGHEST, preferred_element_type=jnp.float32
+    )
+
+
+def masked_sum(mask: jax.Array, x: jax.Array) -> jax.Array:
+    """`sum_t mask[i, t] x[t]`: a direct sum over the rows the 0/1 mask selects (exact weights)."""
+    return dot(mask.astype(jnp.float32), x)
+
+
+def softplus(z: jax.Array) -> jax.Array:
+    """torch's softplus: `z` above 20, else `log1p(exp(z))`."""
+    return jnp.where(z > SOFTPLUS_THRESHOLD, z, jnp.log1p(jnp.exp(jnp.minimum(z, SOFTPLUS_THRESHOLD))))
+
+
+def kda_gate(
+    raw: jax.Array,  # [..., K] the gate before activation
+    a_log: jax.Array,  # broadcastable to raw, A_log of the head
+    dt_bias: jax.Array,  # broadcastable to raw
+) -> jax.Array:
+    """fla's KDA gate `g = -exp(A_log) * softplus(raw + dt_bias)` in fp32 (readable and in-kernel alike)."""
+    return -jnp.exp(a_log) * softplus(raw + dt_bias)
+
+
+def pack_columns(
+    q: jax.Array,  # [..., K] scaled queries
+    k: jax.Array,  # [..., K]
+    g: jax.Array,  # [..., K]
+    beta: jax.Array,  # [...]
+) -> jax.Array:
+    """`[..., K, 4]`: each token's q, k, g and beta (repeated down K) as columns.
+
+    The recurrence scales rows of the `[K, V]` state by k and exp(g), so the kernels need them with K on
+    sublanes; handing them over as columns keeps every in-kernel op a lane broadcast or a sublane reduce.
+    """
+    beta_column = jnp.broadcast_to(beta[..., None], k.shape)
+    return jnp.stack([q, k, g, beta_column], axis=-1)
+
+
+def column_step(
+    state: jax.Array,  # [..., K, V] fp32
+    columns: jax.Array,  # [..., K, 4] q (scaled), k, g, beta per `pack_columns`
+    v: jax.Array,  # [..., 1, V]
+) -> tuple[jax.Array, jax.Array]:
+    """One token of the recurrence (naive_recurrent.recurrent_step), exact fp32 element-wise sums.
+
+    Returns (new state [..., K, V], o [..., 1, V]).
+    """
+    q, k, g = columns[..., 0:1], columns[..., 1:2], columns[..., 2:3]
+    beta = columns[..., 0:1, 3:4]
+    state = state * jnp.exp(g)
+    predicted = jnp.sum(k * state, axis=-2, keepdims=True)
+    state = state + k * (beta * (v - predicted))
+    return state, jnp.sum(q * state, axis=-2, keepdims=True)
+
+
+def chunk_schedule(
+    cu_seqlens: jax.Array,  # i32[N + 1]
+    tokens: int,
+    chunk_size: int,
+) -> tuple[ChunkLayout, tuple[jax.Array, jax.Array, jax.Array]]:
+    """The chunk layout of a packed batch and the kernels' scalar-prefetch schedule.
+
+    Schedule, one entry per chunk: `seq` i32[NC] the sequence it belongs to (its initial / final state
+    block), `first` i32[NC] 1 where it starts its sequence (the state is reset), `rows` i32[NC] its
+    valid tokens (0 for the unused chunks at the end).
+    """
+    layout = chunk_layout(cu_seqlens, tokens, chunk_size)
+    rows = jnp.sum(layout.valid, axis=1, dtype=jnp.int32)
+    return layout, (layout.seq, layout.is_first.astype(jnp.int32), rows)

@@ -1,0 +1,109 @@
+"""Decode as a Pallas kernel: one token for each of B requests, each on its own pool slot, in place.
+
+Reference: `kda_impl.kernels.naive_decode.decode_kda_slots` (gather, step, scatter).
+
+Grid `(B, H / hb)`, hb heads per step (`tuning.decode_heads_per_step`). The slot indices are scalar
+prefetched, so the index map of the state block reads `slot_indices[b]`: each step DMAs exactly its
+request's `[hb, K, V]` states in and the updated ones out. The pool buffer is aliased input → output
+(`input_output_aliases`), so the slots of other requests are never read or written and, with the buffer
+donated by the caller's jit, decode neither gathers nor scatters the pool. Slot indices must be distinct.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kda_impl.kernels.common import prepare_inputs
+from kda_impl.kernels.naive_decode import validate_decode_inputs
+from kda_impl.kernels.pallas.common import COLUMNS, column_step, pack_columns, resolve_interpret
+from kda_impl.kernels.pallas.tuning import decode_heads_per_step
+
+
+def decode_kda_slots(
+    q: jax.Array,  # [B, H, K]
+    k: jax.Array,  # [B, H, K]
+    v: jax.Array,  # [B, H, V]
+    g: jax.Array,  # [B, H, K]
+    beta: jax.Array,  # [B, H]
+    *,
+    state_buffer: jax.Array,  # [S, H, K, V], one layer of the state pool
+    slot_indices: jax.Array,  # i32[B], distinct
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """One recurrence step per request on its own slot's state, updated in place.
+
+    Returns `(o [B, H, V] in q's dtype, state_buffer with the given slots updated)`.
+    """
+    validate_decode_inputs(q, k, v, g, beta, state_buffer, slot_indices)
+    out_dtype = q.dtype
+    q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    _, heads, key_dim = q.shape
+    o, state_buffer = _decode(
+        jnp.asarray(slot_indices, jnp.int32),
+        pack_columns(q * scale, k, g, beta),
+        v[:, :, None, :],
+        state_buffer,
+        heads_per_step=decode_heads_per_step(heads, key_dim, v.shape[-1]),
+        interpret=resolve_interpret(interpret),
+    )
+    return o[:, :, 0].astype(out_dtype), state_buffer
+
+
+@functools.partial(jax.jit, static_argnames=("heads_per_step", "interpret"))
+def _decode(
+    slot_indices: jax.Array,  # i32[B]
+    columns: jax.Array,  # [B, H, K, 4] q (scaled), k, g, beta
+    v: jax.Array,  # [B, H, 1, V]
+    state_buffer: jax.Array,  # [S, H, K, V]
+    *,
+    heads_per_step: int,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array]:
+    batch, heads, key_dim, _ = columns.shape
+    value_dim = v.shape[-1]
+    hb = heads_per_step
+    row_block = pl.BlockSpec((None, hb, 1, value_dim), lambda b, h, slots: (b, h, 0, 0))
+    state_block = pl.BlockSpec((None, hb, key_dim, value_dim), lambda b, h, slots: (slots[b], h, 0, 0))
+    return pl.pallas_call(
+        _decode_kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(batch, heads // hb),
+            in_specs=[
+                pl.BlockSpec((None, hb, key_dim, COLUMNS), lambda b, h, slots: (b, h, 0, 0)),
+                row_block,
+                state_block,
+            ],
+            out_specs=[row_block, state_block],
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, heads, 1, value_dim), jnp.float32),
+            jax.ShapeDtypeStruct(state_buffer.shape, state_buffer.dtype),
+        ],
+        input_output_aliases={3: 1},  # state_buffer (after the prefetched slot_indices) → new buffer
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret,
+    )(slot_indices, columns, v, state_buffer)
+
+
+def _decode_kernel(
+    # scalar prefetch
+    slots_ref: jax.Array,  # i32[B] (used by the index maps)
+    # inputs
+    columns_ref: jax.Array,  # [hb, K, 4]
+    v_ref: jax.Array,  # [hb, 1, V]
+    state_ref: jax.Array,  # [hb, K, V] the request's slot
+    # outputs
+    o_ref: jax.Array,  # [hb, 1, V]
+    new_state_ref: jax.Array,  # [hb, K, V] the same slot, aliased
+) -> None:
+    state, o = column_step(state_ref[...].astype(jnp.float32), columns_ref[...], v_ref[...])
+    new_state_ref[...] = state.astype(new_state_ref.dtype)
+    o_ref[...] = o
