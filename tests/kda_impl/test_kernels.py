@@ -32,7 +32,13 @@ def fla_reference(inputs, initial_state, chunked: bool = False):
     """fla's naive kernels on l2-normalised q, k (the kernels here normalise in-kernel)."""
     tensors = [
         torch.from_numpy(np.ascontiguousarray(x))
-        for x in (l2normalise(inputs["q"]), l2normalise(inputs["k"]), inputs["v"], inputs["g"], inputs["beta"])
+        for x in (
+            l2normalise(inputs["q"]),
+            l2normalise(inputs["k"]),
+            inputs["v"],
+            inputs["g"],
+            inputs["beta"],
+        )
     ]
     h0 = None if initial_state is None else torch.from_numpy(initial_state)
     if not chunked:
@@ -47,8 +53,14 @@ def fla_reference(inputs, initial_state, chunked: bool = False):
 
 def run_kernel(kernel, inputs, **kwargs):
     o, state = kernel(
-        inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
-        output_final_state=True, use_qk_l2norm_in_kernel=True, **kwargs,
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        inputs["g"],
+        inputs["beta"],
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        **kwargs,
     )
     return np.asarray(o), np.asarray(state)
 

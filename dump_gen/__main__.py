@@ -1,0 +1,3 @@
+from dump_gen.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,171 @@
+"""`python -m dump_gen`: make a dump set from a torch reference of the KDA layer.
+
+    python -m dump_gen --out DIR_OR_URL [--preset NAME] [--reference transformers|fla|hf-hub]
+        [--hub-snapshot DIR] [--checkpoint DIR --layer N] [--cases ID ...] [--seed N] [--device cpu|cuda]
+        [--hidden-size N] [--num-heads N] [--head-dim N] [--conv-size N] [--rms-norm-eps X] [--threads N]
+
+A problem the user can fix is reported on one line, with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+from conformance.dump_format import CASES_BY_ID, select_cases
+from dump_gen.errors import DumpError
+from dump_gen.references import REFERENCES
+from kda_impl.config import PRESETS, KDAConfig, get_preset
+
+# Config override flags: (flag, KDAConfig field, type).
+_OVERRIDES = (
+    ("--hidden-size", "hidden_size", int),
+    ("--num-heads", "num_heads", int),
+    ("--head-dim", "head_dim", int),
+    ("--conv-size", "conv_size", int),
+    ("--rms-norm-eps", "rms_norm_eps", float),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    out: str
+    config: KDAConfig
+    reference: str
+    hub_snapshot: str | None
+    checkpoint: str | None
+    layer: int | None
+    case_ids: list[str] | None
+    seed: int
+    device: str
+    threads: int
+    progress: bool
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m dump_gen",
+        description="Freeze what a torch reference of the KDA layer computes into a dump set (format v1).",
+    )
+    parser.add_argument(
+        "--out", required=True, help="destination folder or fsspec URL (gs://bucket/prefix, memory://x)"
+    )
+    parser.add_argument(
+        "--preset", default="kimi-linear-48b-a3b", help=f"layer shape, one of {sorted(PRESETS)}"
+    )
+    parser.add_argument("--reference", default="transformers", help=f"one of {list(REFERENCES)}")
+    parser.add_argument(
+        "--hub-snapshot", metavar="DIR", help="local download of the model's hub repository (hf-hub)"
+    )
+    parser.add_argument(
+        "--checkpoint", metavar="DIR", help="read the weights of one layer from these safetensors"
+    )
+    parser.add_argument("--layer", type=int, metavar="N", help="0-based layer of --checkpoint")
+    parser.add_argument("--cases", nargs="+", metavar="ID", help=f"a subset of {list(CASES_BY_ID)}")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds the synthetic weights and every case's inputs"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: the references are many small ops, which more threads slow down "
+        "on a busy machine, and the results stay independent of the core count)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for flag, field, kind in _OVERRIDES:
+        parser.add_argument(flag, type=kind, dest=field, help=f"override the preset's {field}")
+    return parser
+
+
+def parse_options(argv: list[str] | None) -> Options:
+    args = build_parser().parse_args(argv)
+    try:
+        config = get_preset(args.preset)
+        overrides = {
+            field: getattr(args, field) for _, field, _ in _OVERRIDES if getattr(args, field) is not None
+        }
+        if overrides:
+            config = config.replace(**overrides, preset="custom")
+        select_cases(args.cases)
+    except ValueError as err:
+        raise DumpError(str(err)) from None
+    if args.reference not in REFERENCES:
+        raise DumpError(f"unknown reference {args.reference!r}; known references: {list(REFERENCES)}")
+    if (args.reference == "hf-hub") != (args.hub_snapshot is not None):
+        raise DumpError(
+            "--reference hf-hub and --hub-snapshot DIR (a download of the model's hub repository) go together"
+        )
+    if args.device not in ("cpu", "cuda"):
+        raise DumpError(f"--device must be cpu or cuda, got {args.device!r}")
+    if (args.checkpoint is None) != (args.layer is None):
+        raise DumpError("--checkpoint DIR and --layer N go together")
+    if args.seed < 0:
+        raise DumpError(f"--seed must be >= 0, got {args.seed}")
+    if args.threads < 1:
+        raise DumpError(f"--threads must be >= 1, got {args.threads}")
+    return Options(
+        out=args.out,
+        config=config,
+        reference=args.reference,
+        hub_snapshot=args.hub_snapshot,
+        checkpoint=args.checkpoint,
+        layer=args.layer,
+        case_ids=args.cases,
+        seed=args.seed,
+        device=args.device,
+        threads=args.threads,
+        progress=not args.no_progress,
+    )
+
+
+def run(options: Options) -> dict:
+    """Make the dump set `options` describe; returns its manifest."""
+    # torch, transformers and fla load only once the flags are known to be good.
+    import torch
+
+    from dump_gen.checkpoint import checkpoint_source, read_layer
+    from dump_gen.generate import generate
+    from dump_gen.references import make_reference
+    from dump_gen.storage import DumpWriter
+    from dump_gen.weights import synthetic_weights
+
+    if options.device == "cuda" and not torch.cuda.is_available():
+        raise DumpError(f"--device cuda: torch {torch.__version__} sees no CUDA device")
+    torch.set_num_threads(options.threads)
+    if options.checkpoint is not None:
+        weights = read_layer(options.checkpoint, options.layer, options.config)
+        source = checkpoint_source(options.checkpoint, options.layer)
+    else:
+        weights, source = synthetic_weights(options.config, options.seed), "synthetic"
+    writer = DumpWriter(options.out)
+    reference = make_reference(options.reference, options.config, options.device, options.hub_snapshot)
+    return generate(
+        writer=writer,
+        reference=reference,
+        config=options.config,
+        weights=weights,
+        weights_source=source,
+        cases=select_cases(options.case_ids),
+        seed=options.seed,
+        device=options.device,
+        progress=options.progress,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    start = time.perf_counter()
+    try:
+        options = parse_options(argv)
+        manifest = run(options)
+    except DumpError as err:
+        print(f"dump_gen: error: {err}", file=sys.stderr)
+        return 2
+    print(
+        f"dump_gen: wrote {len(manifest['cases'])} cases ({options.reference}, {options.device}) "
+        f"to {options.out} in {time.perf_counter() - start:.1f} s"
+    )
+    return 0

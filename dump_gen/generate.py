@@ -1,0 +1,168 @@
+"""One dump set, case by case: run the reference in fp32 and bf16, both kernel paths on its own q, k, v,
+g, beta, and write the arrays, the weights and (last) the manifest.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from conformance.dump_format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    FP32_IN_BF16_RUN,
+    INTERMEDIATE_KEYS,
+    KERNEL_KEYS,
+    OUTPUT_KEY,
+    WEIGHTS_FILE,
+    CaseSpec,
+    expected_shape,
+    result_key,
+)
+from dump_gen.inputs import CaseInputs, case_inputs
+from dump_gen.kernels import PATHS, KernelBackend, kernel_backend
+from dump_gen.references.base import LayerRunner, Reference
+from dump_gen.storage import DumpWriter, npz_bytes
+from kda_impl.config import KDAConfig
+
+RUN_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+RESULT_ORDER = (OUTPUT_KEY, *KERNEL_KEYS, *INTERMEDIATE_KEYS)
+
+
+def generator_name() -> str:
+    try:
+        return f"dump_gen {importlib.metadata.version('kda-conformance')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "dump_gen (not installed)"
+
+
+def stored_array(name: str, tensor: torch.Tensor, dtype: str) -> np.ndarray:
+    """How result `name` of the `dtype` run is stored: float32 values, or raw bf16 bits as uint16.
+
+    In the bf16 run the states, `g` and `beta` are stored as float32 (bf16 values upcast exactly); any
+    other result is stored as bits when the reference left it in bf16, as float32 when it kept it in fp32.
+    """
+    tensor = tensor.detach().cpu()
+    if dtype == "fp32" and tensor.dtype != torch.float32:
+        raise RuntimeError(f"the fp32 run produced {name!r} in {tensor.dtype}")
+    if tensor.dtype not in (torch.float32, torch.bfloat16):
+        raise RuntimeError(f"the {dtype} run produced {name!r} in {tensor.dtype}")
+    if tensor.dtype == torch.bfloat16 and name not in FP32_IN_BF16_RUN:
+        return tensor.contiguous().view(torch.uint16).numpy()
+    return tensor.float().contiguous().numpy()
+
+
+def run_dtype(
+    runner: LayerRunner, kernels: KernelBackend, inputs: CaseInputs, dtype: str, device: str
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Every result of one case in one dtype by its dump name, and the layer's kernel path per sequence."""
+    hidden = torch.from_numpy(inputs.hidden_states).to(device=device, dtype=RUN_DTYPES[dtype])
+    state = None if inputs.initial_state is None else torch.from_numpy(inputs.initial_state).to(device)
+    with torch.no_grad():
+        layer = runner.run(hidden, inputs, state)
+        results = {OUTPUT_KEY: layer.out}
+        for path in PATHS:
+            kernel = kernels.run(
+                path, **layer.kernel_inputs, spans=inputs.spans, packed=inputs.packed, initial_state=state
+            )
+            results[f"o_kda_{path}"] = kernel.o[0]
+            results[f"recurrent_state_{path}"] = kernel.final_state
+    results.update(layer.intermediates)
+    return results, layer.kernel_paths
+
+
+def case_arrays(
+    case: CaseSpec,
+    inputs: CaseInputs,
+    runners: dict[str, LayerRunner],
+    kernels: KernelBackend,
+    config: KDAConfig,
+    device: str,
+) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The arrays of one case file, in order, and the layer's kernel path per sequence (from the fp32 run)."""
+    arrays = {"hidden_states": inputs.hidden_states, "cu_seqlens": inputs.cu_seqlens}
+    if inputs.initial_state is not None:
+        arrays["initial_recurrent_state"] = inputs.initial_state
+    shape_config = config.to_manifest()
+    paths_by_dtype = {}
+    for dtype, runner in runners.items():
+        results, paths_by_dtype[dtype] = run_dtype(runner, kernels, inputs, dtype, device)
+        for name in RESULT_ORDER:
+            array = stored_array(name, results[name], dtype)
+            shape = expected_shape(
+                name, tokens=case.total_tokens, num_seqs=len(case.seq_lens), config=shape_config
+            )
+            if array.shape != shape:
+                raise RuntimeError(
+                    f"case {case.case_id}: {dtype} result {name!r} has shape {array.shape}, expected {shape}"
+                )
+            arrays[result_key(name, dtype)] = array
+    if len({tuple(paths) for paths in paths_by_dtype.values()}) != 1:
+        raise RuntimeError(
+            f"case {case.case_id}: the layer took different kernels per dtype: {paths_by_dtype}"
+        )
+    return arrays, paths_by_dtype["fp32"]
+
+
+def main_path(case: CaseSpec, paths: list[str]) -> str:
+    """The kernel the layer used for most of the case's tokens."""
+    tokens: Counter[str] = Counter()
+    for path, length in zip(paths, case.seq_lens):
+        tokens[path] += length
+    return tokens.most_common(1)[0][0]
+
+
+def generate(
+    *,
+    writer: DumpWriter,
+    reference: Reference,
+    config: KDAConfig,
+    weights: dict[str, np.ndarray],
+    weights_source: str,
+    cases: tuple[CaseSpec, ...],
+    seed: int,
+    device: str,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Write one dump set of `cases` to `writer`; returns the manifest, written last."""
+    writer.begin()
+    weights_sha = writer.write(WEIGHTS_FILE, npz_bytes(weights))
+    kernels = kernel_backend(device)
+    runners = {dtype: reference.build(weights, torch_dtype) for dtype, torch_dtype in RUN_DTYPES.items()}
+    entries = []
+    bar = tqdm(cases, desc="dump", unit="case", disable=not progress)
+    for case in bar:
+        bar.set_postfix_str(case.case_id)
+        inputs = case_inputs(case, config, seed)
+        arrays, paths = case_arrays(case, inputs, runners, kernels, config, device)
+        entries.append(
+            {
+                "id": case.case_id,
+                "file": case.file,
+                "sha256": writer.write(case.file, npz_bytes(arrays)),
+                "seq_lens": list(case.seq_lens),
+                "initial_state": case.initial_state,
+                "layer_kernel_path": main_path(case, paths),
+                "layer_kernel_path_per_seq": paths,
+                "keys": list(arrays),
+            }
+        )
+    manifest = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "config": config.to_manifest(),
+        "reference": {"name": reference.name, **reference.describe(), "kernel_keys": kernels.name},
+        "seed": seed,
+        "weights": {"file": WEIGHTS_FILE, "sha256": weights_sha, "source": weights_source},
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "generator": generator_name(),
+        "cases": entries,
+    }
+    writer.finish(manifest)
+    return manifest

@@ -1,0 +1,132 @@
+"""The two KDA kernel paths, run on a reference's own q, k, v, g, beta: the kernel-level keys of a dump.
+
+On a GPU: fla's Triton `chunk_kda` and `fused_recurrent_kda`, the packed batch in one call with
+`cu_seqlens` (the production kernels). On a CPU: fla-core's torch references `naive_chunk_kda` and
+`naive_recurrent_kda`, one sequence at a time since they have no varlen, with q and k L2-normalised in
+fp32 first, as the fast kernels do inside (`use_qk_l2norm_in_kernel=True`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+PATHS = ("chunk", "fused_recurrent")
+CHUNK_SIZE = 64
+L2NORM_EPS = 1e-6
+
+
+@dataclasses.dataclass
+class KernelResult:
+    o: torch.Tensor  # [1, T, H, D], v's dtype
+    final_state: torch.Tensor  # [N, H, D, D] float32
+
+
+class KernelBackend(Protocol):
+    name: str
+
+    def run(
+        self,
+        path: str,
+        q: torch.Tensor,  # [1, T, H, D], before the L2 norm
+        k: torch.Tensor,  # [1, T, H, D], before the L2 norm
+        v: torch.Tensor,  # [1, T, H, D]
+        g: torch.Tensor,  # [1, T, H, D] log-space decay
+        beta: torch.Tensor,  # [1, T, H]
+        *,
+        spans: list[tuple[int, int]],  # [start, end) of each of the N sequences
+        packed: bool,  # hand the kernel cu_seqlens (the varlen cases)
+        initial_state: torch.Tensor | None,  # [N, H, D, D] float32
+    ) -> KernelResult: ...
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """`x / sqrt(sum(x*x) + 1e-6)` over the last axis, in fp32, as fla's kernels normalise q and k."""
+    x = x.float()
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + L2NORM_EPS)
+
+
+class NaiveKernels:
+    """fla-core's torch references, one sequence at a time (CPU)."""
+
+    name = "fla.ops.kda.naive (naive_chunk_kda, naive_recurrent_kda)"
+
+    def run(
+        self,
+        path: str,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        *,
+        spans: list[tuple[int, int]],
+        packed: bool,
+        initial_state: torch.Tensor | None,
+    ) -> KernelResult:
+        from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
+
+        outputs, states = [], []
+        for index, (start, end) in enumerate(spans):
+            args = [l2norm(q[:, start:end]), l2norm(k[:, start:end]), v[:, start:end], g[:, start:end]]
+            seq_beta = beta[:, start:end]
+            state = None if initial_state is None else initial_state[index : index + 1]
+            if path == "chunk":
+                # naive_chunk_kda takes whole chunks: pad the tail with q = k = v = g = beta = 0, which
+                # leaves the state exactly as it was, and cut the padded outputs off.
+                pad = -(end - start) % CHUNK_SIZE
+                args = [F.pad(x, (0, 0, 0, 0, 0, pad)) for x in args]
+                seq_beta = F.pad(seq_beta, (0, 0, 0, pad))
+                o, final = naive_chunk_kda(*args, seq_beta, initial_state=state, output_final_state=True)
+            else:
+                o, final = naive_recurrent_kda(*args, seq_beta, initial_state=state, output_final_state=True)
+            outputs.append(o[:, : end - start])
+            states.append(final)
+        return KernelResult(torch.cat(outputs, dim=1), torch.cat(states, dim=0))
+
+
+class TritonKernels:
+    """fla's Triton kernels, the packed batch in one call (GPU)."""
+
+    name = "fla.ops.kda (chunk_kda, fused_recurrent_kda)"
+
+    def run(
+        self,
+        path: str,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        *,
+        spans: list[tuple[int, int]],
+        packed: bool,
+        initial_state: torch.Tensor | None,
+    ) -> KernelResult:
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+        kernel = chunk_kda if path == "chunk" else fused_recurrent_kda
+        cu_seqlens = None
+        if packed:
+            bounds = [start for start, _ in spans] + [spans[-1][1]]
+            cu_seqlens = torch.tensor(bounds, dtype=torch.long, device=q.device)
+        o, final = kernel(
+            q=q,
+            k=k,
+            v=v,
+            g=g,
+            beta=beta,
+            initial_state=initial_state,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu_seqlens,
+        )
+        return KernelResult(o, final.float())
+
+
+def kernel_backend(device: str) -> KernelBackend:
+    """The kernels of the kernel-level keys on `device` ("cpu" or "cuda")."""
+    return NaiveKernels() if device == "cpu" else TritonKernels()

@@ -1,0 +1,96 @@
+"""What every reference gives the generator, and the pieces the references share."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from dump_gen.capture import KERNEL_INPUTS, KernelCall, NormCall
+from dump_gen.inputs import CaseInputs
+from dump_gen.weights import KEEP_FP32
+
+_VERSIONED = ("torch", "transformers", "fla-core", "flash-linear-attention", "triton", "numpy")
+
+
+@dataclasses.dataclass
+class LayerRun:
+    """What a reference layer computed for one packed batch of T tokens."""
+
+    out: torch.Tensor  # [T, hidden]
+    intermediates: dict[str, torch.Tensor]  # dump names: [T, H, D], beta [T, H]
+    kernel_inputs: dict[str, torch.Tensor]  # q, k, v, g [1, T, H, D], beta [1, T, H], as passed to its kernel
+    kernel_paths: list[str]  # the kernel the layer took for each sequence
+
+
+class LayerRunner(Protocol):
+    def run(self, hidden: torch.Tensor, inputs: CaseInputs, initial_state: torch.Tensor | None) -> LayerRun:
+        """hidden: [T, hidden] in the run's dtype; initial_state: [N, H, D, D] float32 or None."""
+
+
+class Reference(Protocol):
+    name: str
+
+    def describe(self) -> dict[str, Any]:
+        """The manifest's `reference` block, less `name`: versions, device, patches, ..."""
+
+    def build(self, weights: dict[str, np.ndarray], dtype: torch.dtype) -> LayerRunner:
+        """The layer with these float32 HF-named weights, cast to `dtype` (A_log and dt_bias stay fp32)."""
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of the packages a reference runs on (those installed), and CUDA's where there is one."""
+    versions = {}
+    for dist in _VERSIONED:
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if torch.version.cuda:
+        versions["cuda"] = torch.version.cuda
+    return versions
+
+
+def device_description(device: str) -> str:
+    return f"cuda: {torch.cuda.get_device_name()}" if device == "cuda" else "cpu"
+
+
+def load_layer(
+    module: torch.nn.Module, state_dict: dict[str, np.ndarray], dtype: torch.dtype, device: str
+) -> torch.nn.Module:
+    """`module` on `device` in `dtype` (KEEP_FP32 parameters in float32) holding `state_dict`, in eval mode.
+
+    The float32 masters are copied into the cast parameters, so each value is rounded once.
+    """
+    module.to(device=device, dtype=dtype)
+    for name, parameter in module.named_parameters():
+        if name.rsplit(".", 1)[-1] in KEEP_FP32:
+            parameter.data = parameter.data.float()
+    module.load_state_dict({name: torch.from_numpy(array) for name, array in state_dict.items()}, strict=True)
+    return module.eval()
+
+
+def assemble_run(
+    out: torch.Tensor, calls: list[KernelCall], norms: list[NormCall], num_seqs: int
+) -> LayerRun:
+    """A LayerRun from the layer's output [1, T, hidden] and its calls: one per sequence, or one in all."""
+    if len(calls) not in (1, num_seqs) or len(norms) != len(calls):
+        raise RuntimeError(
+            f"the reference layer made {len(calls)} kernel and {len(norms)} norm calls "
+            f"for {num_seqs} sequences"
+        )
+    inputs = {name: torch.cat([call.inputs[name] for call in calls], dim=1) for name in KERNEL_INPUTS}
+    paths = [call.path for call in calls] if len(calls) == num_seqs else [calls[0].path] * num_seqs
+    intermediates = {
+        "q_after_conv": inputs["q"][0],
+        "k_after_conv": inputs["k"][0],
+        "v_after_conv": inputs["v"][0],
+        "g": inputs["g"][0],
+        "beta": inputs["beta"][0],
+        "g_out": torch.cat([norm.gate for norm in norms], dim=1)[0],
+        "o_norm": torch.cat([norm.output for norm in norms], dim=1)[0],
+    }
+    return LayerRun(out[0], intermediates, inputs, paths)

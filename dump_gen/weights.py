@@ -1,0 +1,65 @@
+"""The layer's float32 master weights under their HF names: seeded synthetic ones, and their renaming for
+transformers' `KimiLinearDeltaAttention`.
+
+HF names are the checkpoint names of one KDA layer without the `model.layers.{i}.self_attn.` prefix
+(`conformance.dump_format.weight_shapes`); they are also the names the hub's `KimiDeltaAttention` uses.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from conformance.dump_format import weight_shapes
+from kda_impl.config import KDAConfig
+
+# Stream 0 of the run's seed draws the weights; the cases use their own streams (inputs.py).
+WEIGHTS_STREAM = 0
+
+# Kept in float32 when a bf16 run casts the layer (as transformers' `_keep_in_fp32_modules_strict` and the
+# serving stacks keep them).
+KEEP_FP32 = ("A_log", "dt_bias")
+
+# transformers keeps the forget gate in a submodule and the three depthwise convs in one.
+_FORGET_GATE = ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log")
+_CONVS = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
+
+
+def synthetic_weights(config: KDAConfig, seed: int) -> dict[str, np.ndarray]:
+    """One KDA layer's weights, float32, drawn from `seed` with the scales of a trained layer.
+
+    - projections: N(0, 1/fan_in), so every projection of a unit-scale input is unit-scale (at the real
+      width 2304 this is HF's `initializer_range` 0.02);
+    - depthwise convs: U(±1/sqrt(W)), torch's default for a conv of fan-in W;
+    - `A_log = log U(1, 16)` and `dt_bias = softplus⁻¹(dt)` with `log dt ~ U(log 1e-3, log 1e-1)`,
+      fla's and HF's initialisers: per-step decays from about 0.999 to 0.2;
+    - `o_norm.weight ~ U(0.5, 1.5)`, not ones, so that a misplaced norm weight shows.
+    """
+    rng = np.random.default_rng([seed, WEIGHTS_STREAM])
+    weights = {}
+    for name, shape in weight_shapes(config.to_manifest()).items():
+        if name == "A_log":
+            values = np.log(rng.uniform(1.0, 16.0, shape))
+        elif name == "dt_bias":
+            dt = np.maximum(np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), shape)), 1e-4)
+            values = dt + np.log(-np.expm1(-dt))
+        elif name == "o_norm.weight":
+            values = rng.uniform(0.5, 1.5, shape)
+        elif name in _CONVS:
+            bound = config.conv_size**-0.5
+            values = rng.uniform(-bound, bound, shape)
+        else:
+            values = rng.normal(0.0, shape[1] ** -0.5, shape)
+        weights[name] = values.astype(np.float32)
+    return weights
+
+
+def hf_to_transformers(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF names → the state_dict names of transformers' `KimiLinearDeltaAttention`.
+
+    The same renaming as transformers' own checkpoint conversion for `kimi_linear`: the three convs
+    concatenated along the channel axis into `conv1d.weight`, the gate under `forget_gate.`.
+    """
+    renamed = {name: array for name, array in weights.items() if name not in _FORGET_GATE + _CONVS}
+    renamed.update({f"forget_gate.{name}": weights[name] for name in _FORGET_GATE})
+    renamed["conv1d.weight"] = np.concatenate([weights[name] for name in _CONVS], axis=0)
+    return renamed
