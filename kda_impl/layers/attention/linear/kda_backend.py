@@ -1,0 +1,314 @@
+"""Linear-recurrent attention backends: state I/O through the pool, ForwardMode dispatch (RFC §4.3-4.4).
+
+`LinearRecurrentAttnBackend` is shared by KDA (and later GDN): it reads each request's previous
+recurrent and conv state from its pool slot, runs the kernel the forward mode asks for, and writes the
+new states back. `KDAAttnBackend` binds the two kernel entry points to `kda_impl.kernels`.
+
+| ForwardMode | behaviour |
+|---|---|
+| EXTEND | `_dispatch_chunk` over the packed batch (`cu_q_lens`), initial states from the slots |
+| DECODE | `_dispatch_recurrent`, one token per request, states updated in their slots |
+| IDLE / DUMMY_FIRST | zeros; the pool is returned unchanged |
+| DRAFT_EXTEND / TARGET_VERIFY | NotImplementedError (speculative decoding is a non-goal) |
+| MIXED | ValueError: never produced; `--enable-mixed-chunk` is refused for KDA models |
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kda_impl.kernels import chunk_kda, decode_kda_slots, resolve_kernel
+from kda_impl.layers.short_conv import short_conv_with_state
+from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
+from kda_impl.model_executor.forward_batch import ForwardMode
+
+if TYPE_CHECKING:
+    from kda_impl.layers.radix_linear_attention import RadixLinearAttention
+    from kda_impl.model_executor.forward_batch import ForwardBatch
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class LinearRecurrentAttnBackendMetadata:
+    """Per-batch arrays that cross the jit boundary inside the backend."""
+
+    cu_q_lens: jax.Array  # i32[N+1] token offsets of the N requests (DECODE: 0, 1, ..., N)
+    recurrent_indices: jax.Array  # i32[N] pool slot of each request (padding: the dummy slot 0)
+
+    def tree_flatten(self) -> tuple[tuple[jax.Array, jax.Array], dict]:
+        return (self.cu_q_lens, self.recurrent_indices), {}
+
+    @classmethod
+    def tree_unflatten(
+        cls, aux: dict, children: tuple[jax.Array, jax.Array]
+    ) -> LinearRecurrentAttnBackendMetadata:
+        return cls(*children)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class KDAAttnBackendMetadata(LinearRecurrentAttnBackendMetadata):
+    """KDA's metadata: nothing beyond the base fields yet (a place for kernel-specific ones)."""
+
+
+class LinearRecurrentAttnBackend(abc.ABC):
+    """Base backend of the linear-recurrent layers. Holds no weights and no pool.
+
+    Pytree: children `(forward_metadata,)`; aux data `_static_config()` (plain constants). `mesh` is
+    used outside jit only and is not carried through it.
+    """
+
+    metadata_cls: type[LinearRecurrentAttnBackendMetadata] = LinearRecurrentAttnBackendMetadata
+
+    def __init__(self, mesh: jax.sharding.Mesh | None = None):
+        self.mesh = mesh
+        self.forward_metadata: LinearRecurrentAttnBackendMetadata | None = None
+
+    # --- pytree -------------------------------------------------------------------------------------
+
+    def _static_config(self) -> tuple[Any, ...]:
+        """Constructor arguments (besides mesh) that rebuild an equivalent backend in `tree_unflatten`."""
+        return ()
+
+    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        return (self.forward_metadata,), self._static_config()
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple[Any, ...], children: tuple[Any, ...]) -> LinearRecurrentAttnBackend:
+        backend = cls(None, *aux)
+        backend.forward_metadata = children[0]
+        return backend
+
+    # --- outside jit --------------------------------------------------------------------------------
+
+    def get_forward_metadata(
+        self,
+        forward_mode: ForwardMode,
+        seq_lens: np.ndarray,  # [N] tokens of each request in this step
+        recurrent_indices: np.ndarray,  # [N] pool slots (from RecurrentStatePool.get_recurrent_indices)
+    ) -> LinearRecurrentAttnBackendMetadata:
+        """The metadata of one batch (outside jit). DECODE batches must have one token per request."""
+        seq_lens = np.asarray(seq_lens)
+        recurrent_indices = np.asarray(recurrent_indices)
+        if seq_lens.ndim != 1 or recurrent_indices.shape != seq_lens.shape:
+            raise ValueError(
+                f"seq_lens {seq_lens.shape} and recurrent_indices {recurrent_indices.shape} must both be [N]"
+            )
+        if forward_mode == ForwardMode.DECODE and np.any(seq_lens != 1):
+            raise ValueError(f"DECODE needs one token per request, got seq_lens {seq_lens.tolist()}")
+        if np.any(seq_lens < 0) or np.any(recurrent_indices < 0):
+            raise ValueError(
+                f"seq_lens {seq_lens.tolist()} and recurrent_indices {recurrent_indices.tolist()} "
+                "must be >= 0"
+            )
+        cu_q_lens = np.concatenate([[0], np.cumsum(seq_lens)])
+        return self.metadata_cls(
+            cu_q_lens=jnp.asarray(cu_q_lens, jnp.int32),
+            recurrent_indices=jnp.asarray(recurrent_indices, jnp.int32),
+        )
+
+    def with_forward_metadata(
+        self, metadata: LinearRecurrentAttnBackendMetadata
+    ) -> LinearRecurrentAttnBackend:
+        """A copy of this backend bound to `metadata` (batches built ahead never share metadata)."""
+        bound = copy.copy(self)
+        bound.forward_metadata = metadata
+        return bound
+
+    # --- inside jit ---------------------------------------------------------------------------------
+
+    def apply_short_conv(
+        self,
+        layer: RadixLinearAttention,
+        forward_batch: ForwardBatch,
+        mixed_qkv: jax.Array,  # [T, C] conv inputs (q | k | v projections)
+        conv_weight: jax.Array,  # [W, C]
+        recurrent_state_pool: RecurrentStatePool,
+    ) -> tuple[jax.Array, jax.Array]:
+        """The layer's causal conv, continuing each request's conv state from its slot.
+
+        Returns `(y [T, C], new_conv_state [N, W-1, C])`; the new state is written by `forward`.
+        """
+        _check_supported(forward_batch.forward_mode)
+        metadata = self._metadata()
+        _, conv_cache = recurrent_state_pool.get_linear_recurrent_layer_cache(layer.layer_id)
+        conv_state = conv_cache[metadata.recurrent_indices]  # [N, W-1, C]
+        return short_conv_with_state(mixed_qkv, conv_weight, conv_state, metadata.cu_q_lens)
+
+    def forward(
+        self,
+        layer: RadixLinearAttention,
+        forward_batch: ForwardBatch,
+        q: jax.Array,  # [T, H, K] (l2-normalised by the layer)
+        k: jax.Array,  # [T, H, K]
+        v: jax.Array,  # [T, H, V]
+        g: jax.Array,  # [T, H, K] fp32 log decay
+        beta: jax.Array,  # [T, H] fp32
+        new_conv_state: jax.Array,  # [N, W-1, C] from `apply_short_conv`
+        recurrent_state_pool: RecurrentStatePool,
+    ) -> tuple[jax.Array, RecurrentStatePool]:
+        """Run the mode's kernel; return `(o [T, H, V] in q's dtype, the pool with the new states)`."""
+        mode = forward_batch.forward_mode
+        _check_supported(mode)
+        if mode.is_idle():
+            return jnp.zeros(v.shape, q.dtype), recurrent_state_pool
+        metadata = self._metadata()
+        slots = metadata.recurrent_indices
+        recurrent_cache, _ = recurrent_state_pool.get_linear_recurrent_layer_cache(layer.layer_id)
+        if mode == ForwardMode.EXTEND:
+            o, new_recurrent = self._dispatch_chunk(
+                q[None],
+                k[None],
+                v[None],
+                g[None],
+                beta[None],
+                initial_state=recurrent_cache[slots],
+                cu_seqlens=metadata.cu_q_lens,
+                scale=layer.scaling,
+            )
+            o = o[0]
+        else:
+            if q.shape[0] != slots.shape[0]:
+                raise ValueError(
+                    f"DECODE has one token per request: got T={q.shape[0]} for N={slots.shape[0]}"
+                )
+            # The kernel reads and updates the slots in a buffer of just this batch's states, so the
+            # pool's write path is the same per-slot scatter as for EXTEND.
+            compact = jnp.arange(slots.shape[0], dtype=jnp.int32)
+            o, new_recurrent = self._dispatch_recurrent(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                state_buffer=recurrent_cache[slots],
+                slot_indices=compact,
+                scale=layer.scaling,
+            )
+        pool = recurrent_state_pool.set_linear_recurrent_layer_cache(
+            layer.layer_id, slots, new_recurrent, new_conv_state
+        )
+        return o, pool
+
+    def _metadata(self) -> LinearRecurrentAttnBackendMetadata:
+        if self.forward_metadata is None:
+            raise ValueError("the backend has no forward_metadata: build the batch with make_forward_batch")
+        return self.forward_metadata
+
+    @abc.abstractmethod
+    def _dispatch_chunk(
+        self,
+        q: jax.Array,  # [1, T, H, K]
+        k: jax.Array,  # [1, T, H, K]
+        v: jax.Array,  # [1, T, H, V]
+        g: jax.Array,  # [1, T, H, K]
+        beta: jax.Array,  # [1, T, H]
+        *,
+        initial_state: jax.Array,  # [N, H, K, V] fp32
+        cu_seqlens: jax.Array,  # i32[N+1]
+        scale: float,
+    ) -> tuple[jax.Array, jax.Array]:
+        """Chunked prefill of a packed batch: `(o [1, T, H, V], final_state [N, H, K, V] fp32)`."""
+
+    @abc.abstractmethod
+    def _dispatch_recurrent(
+        self,
+        q: jax.Array,  # [B, H, K]
+        k: jax.Array,  # [B, H, K]
+        v: jax.Array,  # [B, H, V]
+        g: jax.Array,  # [B, H, K]
+        beta: jax.Array,  # [B, H]
+        *,
+        state_buffer: jax.Array,  # [S, H, K, V] fp32
+        slot_indices: jax.Array,  # i32[B] rows of state_buffer
+        scale: float,
+    ) -> tuple[jax.Array, jax.Array]:
+        """One decode token per request: `(o [B, H, V], state_buffer with those rows updated)`."""
+
+
+@jax.tree_util.register_pytree_node_class
+class KDAAttnBackend(LinearRecurrentAttnBackend):
+    """The KDA backend; `kernel` is 'naive', 'pallas' or None (the dispatcher's automatic choice).
+
+    One instance can serve every KDA layer of a model.
+    """
+
+    metadata_cls = KDAAttnBackendMetadata
+
+    def __init__(self, mesh: jax.sharding.Mesh | None = None, kernel: str | None = None):
+        super().__init__(mesh)
+        self.kernel = kernel
+
+    @property
+    def kernel_used(self) -> str:
+        """The implementation the kernels resolve to: 'naive' or 'pallas'."""
+        return resolve_kernel(self.kernel)
+
+    def _static_config(self) -> tuple[Any, ...]:
+        return (self.kernel,)
+
+    def _dispatch_chunk(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        g: jax.Array,
+        beta: jax.Array,
+        *,
+        initial_state: jax.Array,
+        cu_seqlens: jax.Array,
+        scale: float,
+    ) -> tuple[jax.Array, jax.Array]:
+        return chunk_kda(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=True,
+            cu_seqlens=cu_seqlens,
+            kernel=self.kernel,
+        )
+
+    def _dispatch_recurrent(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        g: jax.Array,
+        beta: jax.Array,
+        *,
+        state_buffer: jax.Array,
+        slot_indices: jax.Array,
+        scale: float,
+    ) -> tuple[jax.Array, jax.Array]:
+        return decode_kda_slots(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            state_buffer=state_buffer,
+            slot_indices=slot_indices,
+            scale=scale,
+            kernel=self.kernel,
+        )
+
+
+def _check_supported(mode: ForwardMode) -> None:
+    if mode in (ForwardMode.DRAFT_EXTEND, ForwardMode.TARGET_VERIFY):
+        raise NotImplementedError(f"{mode.name}: speculative decoding is not supported by the KDA backend")
+    if mode == ForwardMode.MIXED:
+        raise ValueError(
+            "ForwardMode.MIXED never reaches a linear-recurrent backend: mixed chunks are scheduled as "
+            "EXTEND, and --enable-mixed-chunk is refused for KDA models (ServerArgs.check_server_args)"
+        )

@@ -1,0 +1,228 @@
+"""`KimiDeltaAttention`: the KDA layer of Kimi-Linear as a Flax NNX module (RFC §4.6).
+
+Forward of one packed batch `x [T, hidden]` (docs: the kda-layer spec, steps 1-9):
+projections → q|k|v short conv with per-request state + silu → l2norm(q, k) → decay gate g and beta
+(fp32) → the recurrence through `RadixLinearAttention` and the backend → gated RMSNorm per head (fp32) →
+o_proj. In a bf16 run the weights and activations are bf16 except A_log / dt_bias, and the casts sit
+where transformers' `KimiLinearDeltaAttention` puts them: conv in the weight dtype, the kernel in fp32
+with its output cast to bf16, the output norm in fp32 cast to bf16. One exception: beta is
+`sigmoid` in fp32, as the spec and the serving stacks have it (transformers rounds it to bf16).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kda_impl.config import KDAConfig
+from kda_impl.kernels.common import HIGHEST, l2norm
+from kda_impl.layers.radix_linear_attention import RadixLinearAttention
+from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
+from kda_impl.model_executor.forward_batch import ForwardBatch
+
+SOFTPLUS_THRESHOLD = 20.0
+
+
+def softplus(z: jax.Array) -> jax.Array:
+    """`z` above 20, else `log(1 + exp(z))` (the reference's softplus; not a clipped log1p)."""
+    return jnp.where(z > SOFTPLUS_THRESHOLD, z, jnp.log(1.0 + jnp.exp(jnp.minimum(z, SOFTPLUS_THRESHOLD))))
+
+
+class GatedRMSNorm(nnx.Module):
+    """RMSNorm over the last axis times `sigmoid(gate)`, computed in fp32, cast back to `dtype`."""
+
+    def __init__(self, dim: int, eps: float, dtype: Any):
+        self.eps = eps
+        self.dtype = dtype
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+
+    def __call__(
+        self,
+        x: jax.Array,  # [..., D]
+        gate: jax.Array,  # [..., D]
+    ) -> jax.Array:
+        x = x.astype(jnp.float32)
+        normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        gated = normed * self.weight[...].astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
+        return gated.astype(self.dtype)
+
+
+class KimiDeltaAttention(nnx.Module):
+    """One KDA layer. Parameters are JAX layout: a Linear's `kernel` is `[in, out]` (HF weight transposed),
+    the conv taps `q/k/v_conv1d` are `[W, P]`, `A_log` `[H]` and `dt_bias` `[H, D]` fp32.
+    """
+
+    def __init__(
+        self,
+        config: KDAConfig,
+        layer_idx: int,
+        mesh: jax.sharding.Mesh | None = None,
+        dtype: Any = jnp.bfloat16,
+        *,
+        rngs: nnx.Rngs,
+    ):
+        if config.kda_layers and not config.is_kda_layer(layer_idx):
+            raise ValueError(
+                f"layer {layer_idx} is not a KDA layer of {config.preset!r} "
+                f"(1-based kda_layers={config.kda_layers})"
+            )
+        self.config = config
+        self.layer_idx = layer_idx
+        self.mesh = mesh
+        self.dtype = dtype
+        hidden, heads, dim, width, proj = (
+            config.hidden_size,
+            config.num_heads,
+            config.head_dim,
+            config.conv_size,
+            config.proj_dim,
+        )
+
+        def linear(n_in: int, n_out: int) -> nnx.Linear:
+            return nnx.Linear(
+                n_in, n_out, use_bias=False, dtype=dtype, param_dtype=dtype, precision=HIGHEST, rngs=rngs
+            )
+
+        self.q_proj, self.k_proj, self.v_proj = (
+            linear(hidden, proj),
+            linear(hidden, proj),
+            linear(hidden, proj),
+        )
+        conv_init = nnx.initializers.lecun_normal(in_axis=0, out_axis=())
+        self.q_conv1d = nnx.Param(conv_init(rngs.params(), (width, proj), dtype))
+        self.k_conv1d = nnx.Param(conv_init(rngs.params(), (width, proj), dtype))
+        self.v_conv1d = nnx.Param(conv_init(rngs.params(), (width, proj), dtype))
+        self.f_a_proj, self.f_b_proj = linear(hidden, dim), linear(dim, proj)
+        # fla's initialisation: A = U(1, 16); dt log-uniform in [1e-3, 1e-1], dt_bias its inverse softplus.
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (heads,), jnp.float32, 1.0, 16.0)))
+        dt = jnp.exp(jax.random.uniform(rngs.params(), (heads, dim), jnp.float32, np.log(1e-3), np.log(1e-1)))
+        self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))
+        self.b_proj = linear(hidden, heads)
+        self.g_a_proj, self.g_b_proj = linear(hidden, dim), linear(dim, proj)
+        self.o_norm = GatedRMSNorm(dim, config.rms_norm_eps, dtype)
+        self.o_proj = linear(proj, hidden)
+        self.attn = RadixLinearAttention(
+            layer_id=layer_idx, num_heads=heads, head_k_dim=dim, head_v_dim=dim, conv_size=width
+        )
+
+    def __call__(
+        self,
+        hidden_states: jax.Array,  # [T, hidden]
+        positions: jax.Array,  # i32[T]; unused by KDA (no rotary), kept for the decoder-layer signature
+        forward_batch: ForwardBatch,
+        recurrent_state_pool: RecurrentStatePool,
+        *,
+        return_intermediates: bool = False,
+    ) -> tuple[jax.Array, RecurrentStatePool] | tuple[jax.Array, RecurrentStatePool, dict[str, jax.Array]]:
+        """`(out [T, hidden], pool)`, plus the dump-named intermediates when `return_intermediates`:
+        `q/k/v_after_conv` `[T, H, D]` (after conv + silu, before l2norm), `g` `[T, H, D]` fp32,
+        `beta` `[T, H]` fp32, `g_out` `[T, H, D]` (before sigmoid), `o_norm` `[T, H, D]`.
+        """
+        self._check_inputs(hidden_states, forward_batch, recurrent_state_pool)
+        tokens = hidden_states.shape[0]
+        heads, dim = self.config.num_heads, self.config.head_dim
+        x = hidden_states.astype(self.dtype)
+
+        mixed_qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)  # [T, 3P]
+        conv_weight = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=-1)
+        conv_out, new_conv_state = self.attn.short_conv(
+            forward_batch, mixed_qkv, conv_weight, recurrent_state_pool
+        )
+        qkv = jax.nn.silu(conv_out.astype(jnp.float32)).astype(self.dtype).reshape(tokens, 3, heads, dim)
+        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # [T, H, D] each
+
+        g = self._decay(x)  # [T, H, D] fp32
+        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))  # [T, H] fp32
+        o, pool = self.attn(
+            forward_batch,
+            l2norm(q),
+            l2norm(k),
+            v.astype(jnp.float32),
+            g,
+            beta,
+            new_conv_state,
+            recurrent_state_pool,
+        )
+        o = o.astype(self.dtype)  # [T, H, D]
+
+        g_out = self.g_b_proj(self.g_a_proj(x)).reshape(tokens, heads, dim)
+        o_norm = self.o_norm(o, g_out)
+        out = self.o_proj(o_norm.reshape(tokens, heads * dim))
+        if not return_intermediates:
+            return out, pool
+        intermediates = {
+            "q_after_conv": q,
+            "k_after_conv": k,
+            "v_after_conv": v,
+            "g": g,
+            "beta": beta,
+            "g_out": g_out,
+            "o_norm": o_norm,
+        }
+        return out, pool, intermediates
+
+    def _decay(
+        self,
+        x: jax.Array,  # [T, hidden]
+    ) -> jax.Array:
+        """Per-channel log decay `g = -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias)`: `[T, H, D]` fp32."""
+        heads, dim = self.config.num_heads, self.config.head_dim
+        f = self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32).reshape(-1, heads, dim)
+        f = f + self.dt_bias[...].astype(jnp.float32)
+        return -jnp.exp(self.A_log[...].astype(jnp.float32))[:, None] * softplus(f)
+
+    def _check_inputs(
+        self,
+        hidden_states: jax.Array,  # [T, hidden]
+        forward_batch: ForwardBatch,
+        pool: RecurrentStatePool,
+    ) -> None:
+        """Static shape checks (they hold while tracing), each naming the offending shape."""
+        cfg = self.config
+        if hidden_states.ndim != 2 or hidden_states.shape[1] != cfg.hidden_size:
+            raise ValueError(
+                f"hidden_states must be [T, hidden={cfg.hidden_size}], got {hidden_states.shape}"
+            )
+        if hidden_states.shape[0] != forward_batch.num_tokens:
+            raise ValueError(
+                f"hidden_states has {hidden_states.shape[0]} tokens but the batch is padded to "
+                f"{forward_batch.num_tokens}; pad it with pad_rows(x, forward_batch.num_tokens)"
+            )
+        rec_shape, conv_shape = pool.recurrent_buffer.shape[2:], pool.conv_buffer.shape[2:]
+        want_rec, want_conv = (cfg.num_heads, cfg.head_dim, cfg.head_dim), (cfg.conv_size - 1, cfg.conv_dim)
+        if rec_shape != want_rec or conv_shape != want_conv:
+            raise ValueError(
+                f"the pool holds states [H, D, D]={rec_shape} and conv [W-1, 3P]={conv_shape}, but layer "
+                f"{self.layer_idx} needs {want_rec} and {want_conv}"
+            )
+
+
+def jit_forward(
+    module: KimiDeltaAttention, *, return_intermediates: bool = False
+) -> Callable[..., tuple[Any, ...]]:
+    """`module`'s forward, jitted once, with the pool donated (XLA updates its buffers in place).
+
+    Returns `step(hidden_states [T, hidden], forward_batch, pool) -> (out, pool[, intermediates])`. The
+    parameters are captured now: reload weights → call `jit_forward` again. Compiles once per bucket of
+    `make_forward_batch` (and per forward mode). The pool passed in is consumed: use the returned one.
+    """
+    graphdef, params = nnx.split(module)
+
+    @functools.partial(jax.jit, donate_argnums=(3,))
+    def step(params, hidden_states, forward_batch, pool):
+        layer = nnx.merge(graphdef, params)
+        return layer(
+            hidden_states,
+            forward_batch.positions,
+            forward_batch,
+            pool,
+            return_intermediates=return_intermediates,
+        )
+
+    return functools.partial(step, params)

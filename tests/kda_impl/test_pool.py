@@ -1,0 +1,148 @@
+"""RecurrentStatePool: slot bookkeeping, zero-on-alloc, per-layer access, pytree behaviour."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kda_impl.config import get_preset
+from kda_impl.mem_cache.recurrent_state_pool import DUMMY_SLOT, PoolExhaustedError, RecurrentStatePool
+
+CONFIG = get_preset("mini").replace(kda_layers=(1, 2, 4), num_hidden_layers=4)
+
+
+def make_pool(num_slots: int = 4, dtype=jnp.float32) -> RecurrentStatePool:
+    return RecurrentStatePool.create(CONFIG, num_slots, dtype)
+
+
+def fill(pool: RecurrentStatePool, layer_id: int, slots: list[int], value: float) -> RecurrentStatePool:
+    """Write `value` into every element of `slots` of one layer."""
+    recurrent, conv = pool.get_linear_recurrent_layer_cache(layer_id)
+    new_recurrent = jnp.full((len(slots), *recurrent.shape[1:]), value, recurrent.dtype)
+    new_conv = jnp.full((len(slots), *conv.shape[1:]), value, conv.dtype)
+    return pool.set_linear_recurrent_layer_cache(
+        layer_id, jnp.asarray(slots, jnp.int32), new_recurrent, new_conv
+    )
+
+
+def test_create_shapes_and_layers():
+    pool = make_pool(num_slots=4, dtype=jnp.bfloat16)
+    assert pool.layer_ids == (0, 1, 3)  # 1-based kda_layers (1, 2, 4)
+    assert pool.recurrent_buffer.shape == (3, 5, 2, 64, 64)
+    assert pool.recurrent_buffer.dtype == jnp.float32
+    assert pool.conv_buffer.shape == (3, 5, 3, 3 * 128)
+    assert pool.conv_buffer.dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match=r"layer 2 has no state in this pool; it holds layers \(0, 1, 3\)"):
+        pool.get_linear_recurrent_layer_cache(2)
+
+
+def test_alloc_hands_out_real_slots_lowest_first_and_never_the_dummy():
+    pool = make_pool(num_slots=4)
+    assert pool.alloc(3).tolist() == [1, 2, 3]
+    pool.free([2])
+    assert pool.alloc(2).tolist() == [2, 4]
+    assert DUMMY_SLOT == 0
+
+
+def test_exhaustion_names_request_and_capacity():
+    pool = make_pool(num_slots=2)
+    pool.alloc(1)
+    with pytest.raises(PoolExhaustedError, match=r"2 slot\(s\) requested, 1 free of 2"):
+        pool.alloc(2)
+
+
+@pytest.mark.parametrize(
+    ("to_free", "message"),
+    [
+        ([0], r"slot 0 is out of range: real slots are 1\.\.4"),
+        ([5], r"slot 5 is out of range: real slots are 1\.\.4"),
+        ([3], r"slot\(s\) \[3\] are not allocated \(double free\?\)"),
+        ([1, 1], r"frees a slot twice"),
+    ],
+)
+def test_free_rejects_bad_slots(to_free, message):
+    pool = make_pool(num_slots=4)
+    pool.alloc(2)
+    with pytest.raises(ValueError, match=message):
+        pool.free(to_free)
+
+
+def test_double_free():
+    pool = make_pool()
+    slots = pool.alloc(1)
+    pool.free(slots)
+    with pytest.raises(ValueError, match=r"slot\(s\) \[1\] are not allocated"):
+        pool.free(slots)
+
+
+def test_get_recurrent_indices_validates_slots():
+    pool = make_pool(num_slots=4)
+    slots = pool.alloc(2)
+    indices = pool.get_recurrent_indices(slots)
+    assert indices.dtype == np.int32 and indices.tolist() == [1, 2]
+    with pytest.raises(ValueError, match=r"slot 7 is out of range: real slots are 1\.\.4"):
+        pool.get_recurrent_indices([1, 7])
+    with pytest.raises(ValueError, match=r"slot 0 is out of range"):
+        pool.get_recurrent_indices([0])
+    with pytest.raises(ValueError, match=r"slot 3 is not allocated"):
+        pool.get_recurrent_indices([3])
+
+
+def test_alloc_zeroes_the_slots_in_every_layer():
+    pool = make_pool(num_slots=3)
+    slots = pool.alloc(3).tolist()
+    for layer_id in pool.layer_ids:
+        pool = fill(pool, layer_id, slots, 7.0)
+    pool.free([2, 3])
+    assert pool.alloc(2).tolist() == [2, 3]
+    recurrent, conv = np.asarray(pool.recurrent_buffer), np.asarray(pool.conv_buffer)
+    assert np.all(recurrent[:, 2:] == 0) and np.all(conv[:, 2:] == 0)
+    assert np.all(recurrent[:, 1] == 7) and np.all(conv[:, 1] == 7)  # slot 1 was not reallocated
+
+
+def test_set_layer_cache_touches_only_those_slots_of_that_layer():
+    pool = make_pool(num_slots=4)
+    pool = fill(pool, 1, [2, 4], 3.0)
+    recurrent = np.array(pool.recurrent_buffer)
+    assert np.all(recurrent[1, [2, 4]] == 3)
+    recurrent[1, [2, 4]] = 0
+    assert not np.any(recurrent)
+
+
+def test_set_layer_cache_checks_state_shapes():
+    pool = make_pool()
+    slots = jnp.asarray([1, 2], jnp.int32)
+    good_conv = jnp.zeros((2, 3, 384))
+    with pytest.raises(
+        ValueError, match=r"new_recurrent must be \[N=2, H, D, D\]=\(2, 2, 64, 64\), got \(2, 3, 64, 64\)"
+    ):
+        pool.set_linear_recurrent_layer_cache(0, slots, jnp.zeros((2, 3, 64, 64)), good_conv)
+    with pytest.raises(
+        ValueError, match=r"new_conv must be \[N=2, W-1, 3P\]=\(2, 3, 384\), got \(2, 4, 384\)"
+    ):
+        pool.set_linear_recurrent_layer_cache(0, slots, jnp.zeros((2, 2, 64, 64)), jnp.zeros((2, 4, 384)))
+
+
+def test_pytree_keeps_the_allocator_and_updates_under_jit():
+    pool = make_pool(num_slots=4)
+    slots = pool.alloc(2)
+    leaves = jax.tree_util.tree_leaves(pool)
+    assert len(leaves) == 2  # the two buffers; bookkeeping is static
+
+    @jax.jit
+    def write(pool: RecurrentStatePool) -> RecurrentStatePool:
+        return fill(pool, 3, [1, 2], 1.0)
+
+    new_pool = write(pool)
+    assert new_pool.allocator is pool.allocator
+    assert new_pool.alloc(1).tolist() == [3]  # the copy shares the free list
+    assert np.all(np.asarray(new_pool.get_linear_recurrent_layer_cache(3)[0])[slots] == 1)
+
+
+def test_create_needs_kda_layers():
+    with pytest.raises(ValueError, match=r"names no KDA layers .* pass layer_ids"):
+        RecurrentStatePool.create(CONFIG.replace(kda_layers=()), 2)
+    with pytest.raises(ValueError, match="num_slots must be >= 1"):
+        RecurrentStatePool.create(CONFIG, 0)
