@@ -11,9 +11,12 @@ state at each sequence's first chunk and written to its final-state block after 
 initial and final blocks are chosen by the scalar-prefetched `seq` of each chunk, so a packed batch of
 any lengths runs with shapes that depend only on (T, N).
 
-Decays, as in naive_chunk: every exponent is a direct segment sum of g (a 0/1 mask matmul, never a
-difference of prefix sums); off-diagonal 16-row sub-blocks factorise around their first row (both factors
-<= 1); the 16x16 diagonal blocks take the exact element-wise decay one column of each block at a time.
+Decays (no exponent ever overflows or is a difference of two long prefix sums, which loses ~eps*|prefix|
+once strong decays precede weak ones): every exponent is a direct segment sum of g, a 0/1 mask matmul.
+For the rows of a 16-row sub-block starting at row s, the columns before s factorise around s,
+`exp(seg(s, i]) * exp(seg(j, s])`, both factors <= 1; the 16x16 diagonal blocks take the exact
+element-wise `exp(seg(j, i])`, one block-local column at a time for all blocks together. (naive_chunk
+reaches the same values by recursive halving; the 16-row scheme keeps every in-kernel op 2-D.)
 """
 
 from __future__ import annotations

@@ -1,0 +1,329 @@
+"""The Pallas KDA kernels (interpret mode on CPU) against the plain-JAX kernels and fla-core's torch
+references, on fresh seeded inputs each run; and their lowering for TPU.
+
+Sizes stay small (H=2, D=128, the TPU-tile-friendly minimum of the last dim): compiling the interpreted
+kernels dominates the run time, so the tests share a few shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kda_impl.kernels import naive, pallas
+from kda_impl.kernels.pallas import tuning
+from tests.kda_impl.kernel_inputs import l2normalise, random_kernel_inputs
+
+FP32 = {"atol": 1e-5, "rtol": 1e-5}
+HEADS, DIM = 2, 128
+PALLAS = {"chunk": pallas.chunk_kda, "recurrent": pallas.fused_recurrent_kda}
+NAIVE = {"chunk": naive.chunk_kda, "recurrent": naive.fused_recurrent_kda}
+# One packed batch for most tests (one compilation per kernel): short sequences, one token, a whole chunk,
+# partial last chunks, several chunks, and empty sequences first, in the middle and last.
+LENGTHS = [0, 5, 17, 1, 64, 0, 65, 41, 200, 0]
+LIBTPU_ENV = "KDA_LIBTPU_PATH"  # a directory holding the `libtpu` package (pip install --target DIR libtpu)
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """A fresh seed each run, printed (and kept as a test property) so that a failure can be replayed."""
+    seed = np.random.SeedSequence().entropy % 2**32
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def fla_naive():
+    pytest.importorskip("torch")
+    return pytest.importorskip("fla.ops.kda.naive")
+
+
+def fla_recurrent(fla_naive, inputs: dict[str, np.ndarray], initial_state: np.ndarray | None):
+    """fla's naive recurrent KDA on l2-normalised q, k: (o [B, T, H, V], final state [B, H, K, V])."""
+    import torch
+
+    tensors = [
+        torch.from_numpy(np.ascontiguousarray(x))
+        for x in (
+            l2normalise(inputs["q"]),
+            l2normalise(inputs["k"]),
+            inputs["v"],
+            inputs["g"],
+            inputs["beta"],
+        )
+    ]
+    h0 = None if initial_state is None else torch.from_numpy(initial_state)
+    flushed = torch.set_flush_denormal(True)  # strong decays make denormals, which torch runs slowly
+    try:
+        o, state = fla_naive.naive_recurrent_kda(*tensors, initial_state=h0, output_final_state=True)
+    finally:
+        if flushed:
+            torch.set_flush_denormal(False)
+    return o.numpy(), state.numpy()
+
+
+def run_kernel(kernel, inputs: dict[str, np.ndarray], **kwargs) -> tuple[np.ndarray, np.ndarray]:
+    o, state = kernel(
+        inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
+        output_final_state=True, use_qk_l2norm_in_kernel=True, **kwargs,
+    )  # fmt: skip
+    return np.asarray(o), np.asarray(state)
+
+
+def random_states(rng: np.random.Generator, count: int) -> np.ndarray:
+    return rng.standard_normal((count, HEADS, DIM, DIM)).astype(np.float32)
+
+
+def assert_all_equal(results: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    """Every (o, state) pair equals the first one to fp32 tolerance, and all are finite."""
+    (_, (ref_o, ref_state)), *others = results.items()
+    for name, (o, state) in others:
+        assert np.all(np.isfinite(o)) and np.all(np.isfinite(state)), name
+        np.testing.assert_allclose(o, ref_o, **FP32, err_msg=f"{name}: o")
+        np.testing.assert_allclose(state, ref_state, **FP32, err_msg=f"{name}: state")
+
+
+def packed_inputs(rng: np.random.Generator, decay: str = "realistic") -> tuple[dict, np.ndarray, np.ndarray]:
+    """(inputs [1, T, H, D], cu_seqlens, initial states [N, H, D, D]) of the packed batch `LENGTHS`."""
+    cu_seqlens = np.concatenate([[0], np.cumsum(LENGTHS)]).astype(np.int32)
+    inputs = random_kernel_inputs(rng, int(cu_seqlens[-1]), heads=HEADS, dim=DIM, decay=decay)
+    return inputs, cu_seqlens, random_states(rng, len(LENGTHS))
+
+
+def assert_matches_fla_per_sequence(fla_naive, inputs, cu_seqlens, h0, o, state) -> None:
+    """Each sequence of the packed batch equals fla on that sequence alone; empty ones keep h0 exactly."""
+    for i, (start, end) in enumerate(itertools.pairwise(cu_seqlens)):
+        if start == end:
+            np.testing.assert_array_equal(state[i], h0[i], err_msg=f"empty sequence {i}")
+            continue
+        alone = {name: x[:, start:end] for name, x in inputs.items()}
+        ref_o, ref_state = fla_recurrent(fla_naive, alone, h0[i : i + 1])
+        np.testing.assert_allclose(
+            o[:, start:end], ref_o, **FP32, err_msg=f"o of sequence {i}, T={end - start}"
+        )
+        np.testing.assert_allclose(
+            state[i], ref_state[0], **FP32, err_msg=f"state of sequence {i}, T={end - start}"
+        )
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("decay", ["realistic", "strong", "mixed"])
+@pytest.mark.parametrize("kernel", sorted(PALLAS))
+def test_packed_batch_matches_plain_jax_and_fla(rng, fla_naive, kernel, decay):
+    """Pallas == plain JAX == fla naive on every sequence of `LENGTHS`, with initial states.
+
+    Lengths 1, 64, 65 and 200 cover one token, a whole chunk and partial last chunks; "strong" takes g
+    down to -60 per token (the factorised form would overflow), "mixed" interleaves strong and near-zero
+    decays (catches exponents formed as differences of prefix sums).
+    """
+    inputs, cu_seqlens, h0 = packed_inputs(rng, decay)
+    o, state = run_kernel(PALLAS[kernel], inputs, initial_state=h0, cu_seqlens=cu_seqlens)
+    assert_all_equal(
+        {
+            "naive": run_kernel(NAIVE[kernel], inputs, initial_state=h0, cu_seqlens=cu_seqlens),
+            "pallas": (o, state),
+        }
+    )
+    assert_matches_fla_per_sequence(fla_naive, inputs, cu_seqlens, h0, o, state)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "init-state"])
+@pytest.mark.parametrize("kernel", sorted(PALLAS))
+def test_equal_length_batch_matches_fla(rng, fla_naive, kernel, with_state):
+    """B requests of T tokens each (no cu_seqlens), T = 65: one chunk and one token."""
+    inputs = random_kernel_inputs(rng, 65, heads=HEADS, dim=DIM, batch=2, decay="mixed")
+    h0 = random_states(rng, 2) if with_state else None
+    assert_all_equal(
+        {
+            "fla": fla_recurrent(fla_naive, inputs, h0),
+            "pallas": run_kernel(PALLAS[kernel], inputs, initial_state=h0),
+        }
+    )
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("flat_dt_bias", [False, True], ids=["dt_bias[H,K]", "dt_bias[H*K]"])
+def test_gate_in_kernel_equals_precomputed(rng, fla_naive, flat_dt_bias):
+    """`use_gate_in_kernel` == the kernels on fla's gate computed outside, padded chunk tails included
+    (they must keep g = 0, or the final states would decay past the sequence end)."""
+    import torch
+    from fla.ops.kda.gate import naive_kda_gate
+
+    inputs, cu_seqlens, h0 = packed_inputs(rng)
+    raw = rng.normal(-3.0, 3.0, inputs["g"].shape).astype(np.float32)
+    raw.flat[:: raw.size // 7] = 25.0  # a few past softplus' linear threshold of 20
+    a_log = np.log(rng.uniform(1.0, 16.0, HEADS)).astype(np.float32)
+    dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), (HEADS, DIM)))
+    dt_bias = (dt + np.log(-np.expm1(-dt))).astype(np.float32)
+    g = naive_kda_gate(torch.from_numpy(raw), torch.from_numpy(a_log), torch.from_numpy(dt_bias.reshape(-1)))
+    precomputed = {**inputs, "g": g.numpy()}
+    packed = {"initial_state": h0, "cu_seqlens": cu_seqlens}
+    assert_all_equal(
+        {
+            "naive, fla's gate": run_kernel(naive.chunk_kda, precomputed, **packed),
+            "pallas, fla's gate": run_kernel(pallas.chunk_kda, precomputed, **packed),
+            "pallas, gate in kernel": run_kernel(
+                pallas.chunk_kda,
+                {**inputs, "g": raw},
+                **packed,
+                use_gate_in_kernel=True,
+                A_log=a_log,
+                dt_bias=dt_bias.reshape(-1) if flat_dt_bias else dt_bias,
+            ),
+        }
+    )
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("state_bytes_per_step", [tuning.DECODE_STATE_BYTES_PER_STEP, DIM * DIM * 4])
+def test_decode_writes_only_given_slots(rng, fla_naive, monkeypatch, state_bytes_per_step):
+    """Decode updates exactly its requests' slots (all heads per step, or one head per step)."""
+    monkeypatch.setattr(tuning, "DECODE_STATE_BYTES_PER_STEP", state_bytes_per_step)
+    inputs = random_kernel_inputs(rng, 1, heads=HEADS, dim=DIM, batch=3, decay="mixed")
+    buffer = random_states(rng, 6)
+    slots = np.array([4, 1, 2], np.int32)
+    step = {name: x[:, 0] for name, x in inputs.items()}
+    kwargs = {"state_buffer": jnp.asarray(buffer), "slot_indices": slots, "use_qk_l2norm_in_kernel": True}
+    o, new_buffer = (np.asarray(x) for x in pallas.decode_kda_slots(**step, **kwargs))
+    naive_o, naive_buffer = (np.asarray(x) for x in naive.decode_kda_slots(**step, **kwargs))
+    ref_o, ref_state = fla_recurrent(fla_naive, inputs, buffer[slots])
+    assert_all_equal({"fla": (ref_o[:, 0], ref_state), "pallas": (o, new_buffer[slots])})
+    np.testing.assert_allclose(new_buffer, naive_buffer, **FP32)
+    np.testing.assert_allclose(o, naive_o, **FP32)
+    untouched = [0, 3, 5]
+    np.testing.assert_array_equal(new_buffer[untouched], buffer[untouched])
+
+
+def test_chunk_compiles_once_per_shape(rng):
+    """New sequence lengths with the same (T, N) reuse the compiled kernel."""
+    kernel = jax.jit(functools.partial(pallas.chunk_kda, output_final_state=True))
+    inputs = random_kernel_inputs(rng, 40, heads=HEADS, dim=DIM)
+    args = [jnp.asarray(inputs[name]) for name in ("q", "k", "v", "g", "beta")]
+    for lengths in ([5, 17, 1, 17], [34, 2, 2, 2], [0, 0, 0, 40]):
+        cu_seqlens = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+        jax.block_until_ready(kernel(*args, cu_seqlens=cu_seqlens))
+    assert kernel._cache_size() == 1
+
+
+def test_gate_arguments_are_validated(rng):
+    inputs = random_kernel_inputs(rng, 8, heads=HEADS, dim=DIM)
+    with pytest.raises(ValueError, match="needs A_log"):
+        pallas.chunk_kda(**inputs, use_gate_in_kernel=True)
+    with pytest.raises(ValueError, match=r"A_log.shape=\(3,\) must be \[H\]=\(2,\)"):
+        pallas.chunk_kda(**inputs, use_gate_in_kernel=True, A_log=np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match=r"dt_bias.shape=\(2, 64\) must be \[H, K\]"):
+        pallas.chunk_kda(
+            **inputs, use_gate_in_kernel=True, A_log=np.zeros(2, np.float32), dt_bias=np.zeros((2, 64))
+        )
+    with pytest.raises(ValueError, match="only used with use_gate_in_kernel=True"):
+        pallas.chunk_kda(**inputs, A_log=np.zeros(2, np.float32))
+    with pytest.raises(ValueError, match="chunk_size must be a positive multiple of 16"):
+        pallas.chunk_kda(**inputs, chunk_size=40)
+
+
+# --- lowering for TPU, without a TPU ----------------------------------------------------------------------
+
+
+def tpu_entry_points(
+    heads: int = 4, dim: int = 128, tokens: int = 256, seqs: int = 3, requests: int = 5, slots: int = 9
+):
+    """Each public kernel as `(name, jitted fn, abstract args)`, with packed batches and initial states."""
+    f32 = jnp.float32
+    sds = jax.ShapeDtypeStruct
+    tokens_in = [sds((1, tokens, heads, dim), f32)] * 4 + [sds((1, tokens, heads), f32)]
+    packed = [sds((seqs, heads, dim, dim), f32), sds((seqs + 1,), jnp.int32)]
+    decode_in = [sds((requests, heads, dim), f32)] * 4 + [sds((requests, heads), f32)]
+
+    def prefill(kernel, **kwargs):
+        def fn(q, k, v, g, beta, initial_state, cu_seqlens, *gate):
+            gate_kwargs = dict(zip(("A_log", "dt_bias"), gate))
+            return kernel(
+                q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, output_final_state=True,
+                interpret=False, **kwargs, **gate_kwargs,
+            )  # fmt: skip
+
+        return jax.jit(fn)
+
+    def decode(q, k, v, g, beta, state_buffer, slot_indices):
+        return pallas.decode_kda_slots(
+            q, k, v, g, beta, state_buffer=state_buffer, slot_indices=slot_indices, interpret=False
+        )
+
+    gate = [sds((heads,), f32), sds((heads * dim,), f32)]
+    return [
+        ("chunk", prefill(pallas.chunk_kda, use_qk_l2norm_in_kernel=True), tokens_in + packed),
+        ("chunk+gate", prefill(pallas.chunk_kda, use_gate_in_kernel=True), tokens_in + packed + gate),
+        ("recurrent", prefill(pallas.fused_recurrent_kda), tokens_in + packed),
+        (
+            "decode",
+            jax.jit(decode, donate_argnums=5),
+            [*decode_in, sds((slots, heads, dim, dim), f32), sds((requests,), jnp.int32)],
+        ),
+    ]
+
+
+@pytest.mark.parametrize("entry", range(4), ids=[name for name, *_ in tpu_entry_points()])
+def test_lowers_for_tpu(entry):
+    """Pallas → Mosaic lowering for TPU (`jax.export`, no TPU needed); decode aliases the pool in place."""
+    name, fn, args = tpu_entry_points()[entry]
+    module = jax.export.export(fn, platforms=["tpu"])(*args).mlir_module()
+    assert "tpu_custom_call" in module
+    if name == "decode":
+        assert "output_operand_aliases" in module  # the pool buffer is the kernel's output, in place
+
+
+def _libtpu_path() -> str | None:
+    if os.environ.get(LIBTPU_ENV):
+        return os.environ[LIBTPU_ENV]
+    spec = importlib.util.find_spec("libtpu")
+    return None if spec is None else os.path.dirname(os.path.dirname(spec.origin))
+
+
+@pytest.mark.skipif(
+    _libtpu_path() is None,
+    reason=f"needs libtpu (the TPU compiler) to compile for TPU without one: `pip install --target DIR "
+    f"'libtpu==0.0.42.*'` (the version jax[tpu] 0.10.2 pins), then set {LIBTPU_ENV}=DIR",
+)
+def test_compiles_for_tpu():
+    """The full Mosaic compile (layouts, VMEM budget) for TPU v5e and v6e, deviceless, in a subprocess so
+    that this process never loads the TPU plugin."""
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([_libtpu_path(), str(repo)])}
+    script = (
+        "import sys; from tests.kda_impl import test_pallas_kernels as t; t.compile_for_tpu(sys.argv[1:])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, "v5e:2x2", "v6e:2x2"],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.count("compiled") == 8, done.stdout
+
+
+def compile_for_tpu(topologies: list[str]) -> None:
+    """AOT-compile every entry point for each TPU topology on a machine without TPUs (needs libtpu)."""
+    from jax.experimental import topologies as tpu_topologies
+
+    for topology in topologies:
+        device = tpu_topologies.get_topology_desc(topology_name=topology, platform="tpu").devices[0]
+        sharding = jax.sharding.SingleDeviceSharding(device)
+        for name, fn, args in tpu_entry_points():
+            placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
+            fn.trace(*placed).lower().compile()
+            print(f"compiled {name} for {topology}")
