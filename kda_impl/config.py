@@ -32,7 +32,9 @@ class KDAConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"KDAConfig.{name} must be a positive integer, got {value!r}")
         if self.conv_size < 2:
-            raise ValueError(f"KDAConfig.conv_size must be >= 2 (a state of conv_size-1 inputs), got {self.conv_size}")
+            raise ValueError(
+                f"KDAConfig.conv_size must be >= 2 (a state of conv_size-1 inputs), got {self.conv_size}"
+            )
         if not self.rms_norm_eps > 0:
             raise ValueError(f"KDAConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
 

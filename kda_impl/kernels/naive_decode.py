@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kda_impl.kernels.common import prepare_inputs
 from kda_impl.kernels.naive_recurrent import recurrent_step
@@ -16,23 +17,37 @@ def decode_kda_slots(
     g: jax.Array,  # [B, H, K]
     beta: jax.Array,  # [B, H]
     *,
-    state_buffer: jax.Array,  # [S, H, K, V] fp32, one layer of the state pool
+    state_buffer: jax.Array,  # [S, H, K, V] one layer of the pool, or [L, S, H, K, V] with layer_index
     slot_indices: jax.Array,  # i32[B]
+    layer_index: int | jax.Array | None = None,
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """One recurrence step per request on its own slot's state.
 
-    Gathers the B states, steps them and scatters them back; the other slots are untouched.
-    Returns `(o [B, H, V] in q's dtype, the updated state_buffer)`.
+    With `layer_index`, `state_buffer` is the whole pool and only `[layer_index, slot_indices]` is
+    read and written. Gathers the B states, steps them and scatters them back; the other slots are
+    untouched. Returns `(o [B, H, V] in q's dtype, the updated state_buffer)`.
     """
-    validate_decode_inputs(q, k, v, g, beta, state_buffer, slot_indices)
+    pool = as_layered_pool(state_buffer, layer_index)
+    layer = 0 if layer_index is None else layer_index
+    validate_decode_inputs(q, k, v, g, beta, pool, slot_indices, layer)
     out_dtype = q.dtype
     q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    state_buffer = jnp.asarray(state_buffer)
-    states = state_buffer[slot_indices].astype(jnp.float32)
+    states = pool[layer, slot_indices].astype(jnp.float32)
     states, o = recurrent_step(states, q * scale, k, v, g, beta)
-    return o.astype(out_dtype), state_buffer.at[slot_indices].set(states.astype(state_buffer.dtype))
+    pool = pool.at[layer, slot_indices].set(states.astype(pool.dtype))
+    return o.astype(out_dtype), (pool[0] if layer_index is None else pool)
+
+
+def as_layered_pool(state_buffer: jax.Array, layer_index: int | jax.Array | None) -> jax.Array:
+    """The state buffer as [L, S, H, K, V]: a one-layer buffer [S, H, K, V] gets L = 1."""
+    state_buffer = jnp.asarray(state_buffer)
+    expected_rank = 4 if layer_index is None else 5
+    if state_buffer.ndim != expected_rank:
+        layout = "[S, H, K, V]" if layer_index is None else "[L, S, H, K, V] (layer_index given)"
+        raise ValueError(f"state_buffer must be {layout}, got shape {state_buffer.shape}")
+    return state_buffer[None] if layer_index is None else state_buffer
 
 
 def validate_decode_inputs(
@@ -41,8 +56,9 @@ def validate_decode_inputs(
     v: jax.Array,  # [B, H, V]
     g: jax.Array,  # [B, H, K]
     beta: jax.Array,  # [B, H]
-    state_buffer: jax.Array,  # [S, H, K, V]
+    pool: jax.Array,  # [L, S, H, K, V]
     slot_indices: jax.Array,  # i32[B]
+    layer_index: int | jax.Array,
 ) -> None:
     """Shape checks of a decode call, naming the offending argument (works while tracing)."""
     if q.ndim != 3:
@@ -56,17 +72,17 @@ def validate_decode_inputs(
     if beta.shape != (batch, heads):
         raise ValueError(f"decode beta.shape={beta.shape} must be [B, H]={(batch, heads)}")
     expected_state = (heads, key_dim, v.shape[2])
-    if state_buffer.ndim != 4 or state_buffer.shape[1:] != expected_state:
-        raise ValueError(
-            f"state_buffer must be [slots, H, K, V] with [H, K, V]={expected_state}, got {state_buffer.shape}"
-        )
-    if slot_indices.shape != (batch,):
-        raise ValueError(f"slot_indices.shape={slot_indices.shape} must be [B]=({batch},)")
+    if pool.shape[2:] != expected_state:
+        raise ValueError(f"state_buffer states must be [H, K, V]={expected_state}, got {pool.shape[2:]}")
+    if jnp.shape(slot_indices) != (batch,):
+        raise ValueError(f"slot_indices.shape={jnp.shape(slot_indices)} must be [B]=({batch},)")
+    layers, slots = pool.shape[:2]
+    if not isinstance(layer_index, jax.core.Tracer) and not 0 <= int(layer_index) < layers:
+        raise ValueError(f"layer_index={int(layer_index)} is outside the pool's {layers} layers")
     if not isinstance(slot_indices, jax.core.Tracer):
-        slots = jnp.asarray(slot_indices)
-        bad = (slots < 0) | (slots >= state_buffer.shape[0])
-        if bool(jnp.any(bad)):
+        indices = np.asarray(slot_indices)
+        bad = (indices < 0) | (indices >= slots)
+        if np.any(bad):
             raise ValueError(
-                f"slot index {int(slots[jnp.argmax(bad)])} is outside the state buffer's "
-                f"{state_buffer.shape[0]} slots"
+                f"slot index {int(indices[np.argmax(bad)])} is outside the state buffer's {slots} slots"
             )

@@ -32,7 +32,7 @@ def random_kernel_inputs(
     elif decay == "mixed":
         strong = rng.uniform(0.0, 60.0, size=shape)
         weak = rng.uniform(0.0, 0.05, size=shape)
-        g = -np.where(rng.uniform(size=shape[:2] + (1, 1)) < 0.3, strong, weak)
+        g = -np.where(rng.uniform(size=(*shape[:2], 1, 1)) < 0.3, strong, weak)
     else:
         raise ValueError(f"unknown decay {decay!r}")
     beta = rng.uniform(0.0, 1.0, size=shape[:3]).astype(np.float32)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -111,7 +112,7 @@ def test_packed_batch_matches_each_sequence_alone(rng, kernel, lengths):
     inputs = random_kernel_inputs(rng, int(cu_seqlens[-1]))
     h0 = rng.standard_normal((len(lengths), 2, 32, 32)).astype(np.float32)
     o, state = run_kernel(KERNELS[kernel], inputs, initial_state=h0, cu_seqlens=cu_seqlens)
-    for i, (start, end) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
+    for i, (start, end) in enumerate(itertools.pairwise(cu_seqlens)):
         if start == end:
             np.testing.assert_array_equal(state[i], h0[i])
             continue
@@ -154,6 +155,22 @@ def test_decode_writes_only_given_slots(rng):
     np.testing.assert_allclose(np.asarray(new_buffer)[slots], ref_state, **FP32)
     untouched = [0, 3, 5]
     np.testing.assert_array_equal(np.asarray(new_buffer)[untouched], buffer[untouched])
+
+
+def test_decode_on_a_layered_pool(rng):
+    """With layer_index the buffer is the whole pool; only that layer's given slots change."""
+    inputs = random_kernel_inputs(rng, 1, batch=2)
+    pool = rng.standard_normal((3, 5, 2, 32, 32)).astype(np.float32)
+    slots = np.array([3, 1], np.int32)
+    step = {name: x[:, 0] for name, x in inputs.items()}
+    _, single_layer = naive.decode_kda_slots(**step, state_buffer=pool[2], slot_indices=slots)
+    _, new_pool = naive.decode_kda_slots(**step, state_buffer=pool, slot_indices=slots, layer_index=2)
+    np.testing.assert_array_equal(np.asarray(new_pool)[2], np.asarray(single_layer))
+    np.testing.assert_array_equal(np.asarray(new_pool)[:2], pool[:2])
+    with pytest.raises(ValueError, match="layer_index=3 is outside the pool's 3 layers"):
+        naive.decode_kda_slots(**step, state_buffer=pool, slot_indices=slots, layer_index=3)
+    with pytest.raises(ValueError, match=r"must be \[L, S, H, K, V\] \(layer_index given\)"):
+        naive.decode_kda_slots(**step, state_buffer=pool[0], slot_indices=slots, layer_index=0)
 
 
 @pytest.mark.parametrize(

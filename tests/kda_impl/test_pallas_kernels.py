@@ -189,21 +189,24 @@ def test_gate_in_kernel_equals_precomputed(rng, fla_naive, flat_dt_bias):
 @pytest.mark.torch
 @pytest.mark.parametrize("state_bytes_per_step", [tuning.DECODE_STATE_BYTES_PER_STEP, DIM * DIM * 4])
 def test_decode_writes_only_given_slots(rng, fla_naive, monkeypatch, state_bytes_per_step):
-    """Decode updates exactly its requests' slots (all heads per step, or one head per step)."""
+    """Decode updates exactly its requests' slots of one pool layer (all heads or one head per step)."""
     monkeypatch.setattr(tuning, "DECODE_STATE_BYTES_PER_STEP", state_bytes_per_step)
     inputs = random_kernel_inputs(rng, 1, heads=HEADS, dim=DIM, batch=3, decay="mixed")
-    buffer = random_states(rng, 6)
-    slots = np.array([4, 1, 2], np.int32)
+    pool = random_states(rng, 3 * 6).reshape(3, 6, *random_states(rng, 1).shape[1:])  # [L, S, H, K, V]
+    slots, layer = np.array([4, 1, 2], np.int32), 1
     step = {name: x[:, 0] for name, x in inputs.items()}
-    kwargs = {"state_buffer": jnp.asarray(buffer), "slot_indices": slots, "use_qk_l2norm_in_kernel": True}
-    o, new_buffer = (np.asarray(x) for x in pallas.decode_kda_slots(**step, **kwargs))
-    naive_o, naive_buffer = (np.asarray(x) for x in naive.decode_kda_slots(**step, **kwargs))
-    ref_o, ref_state = fla_recurrent(fla_naive, inputs, buffer[slots])
-    assert_all_equal({"fla": (ref_o[:, 0], ref_state), "pallas": (o, new_buffer[slots])})
-    np.testing.assert_allclose(new_buffer, naive_buffer, **FP32)
+    kwargs = {"slot_indices": slots, "layer_index": layer, "use_qk_l2norm_in_kernel": True}
+    o, new_pool = (
+        np.asarray(x) for x in pallas.decode_kda_slots(**step, state_buffer=jnp.asarray(pool), **kwargs)
+    )
+    naive_o, naive_pool = (np.asarray(x) for x in naive.decode_kda_slots(**step, state_buffer=pool, **kwargs))
+    ref_o, ref_state = fla_recurrent(fla_naive, inputs, pool[layer, slots])
+    assert_all_equal({"fla": (ref_o[:, 0], ref_state), "pallas": (o, new_pool[layer, slots])})
+    np.testing.assert_allclose(new_pool, naive_pool, **FP32)
     np.testing.assert_allclose(o, naive_o, **FP32)
+    np.testing.assert_array_equal(new_pool[[0, 2]], pool[[0, 2]])  # other layers
     untouched = [0, 3, 5]
-    np.testing.assert_array_equal(new_buffer[untouched], buffer[untouched])
+    np.testing.assert_array_equal(new_pool[layer, untouched], pool[layer, untouched])
 
 
 def test_chunk_compiles_once_per_shape(rng):
@@ -256,10 +259,11 @@ def tpu_entry_points(
 
         return jax.jit(fn)
 
-    def decode(q, k, v, g, beta, state_buffer, slot_indices):
+    def decode(q, k, v, g, beta, state_buffer, slot_indices, layer_index):
         return pallas.decode_kda_slots(
-            q, k, v, g, beta, state_buffer=state_buffer, slot_indices=slot_indices, interpret=False
-        )
+            q, k, v, g, beta, state_buffer=state_buffer, slot_indices=slot_indices, layer_index=layer_index,
+            interpret=False,
+        )  # fmt: skip
 
     gate = [sds((heads,), f32), sds((heads * dim,), f32)]
     return [
@@ -269,7 +273,12 @@ def tpu_entry_points(
         (
             "decode",
             jax.jit(decode, donate_argnums=5),
-            [*decode_in, sds((slots, heads, dim, dim), f32), sds((requests,), jnp.int32)],
+            [
+                *decode_in,
+                sds((3, slots, heads, dim, dim), f32),
+                sds((requests,), jnp.int32),
+                sds((), jnp.int32),
+            ],
         ),
     ]
 

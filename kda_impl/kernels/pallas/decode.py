@@ -2,11 +2,12 @@
 
 Reference: `kda_impl.kernels.naive_decode.decode_kda_slots` (gather, step, scatter).
 
-Grid `(B, H / hb)`, hb heads per step (`tuning.decode_heads_per_step`). The slot indices are scalar
-prefetched, so the index map of the state block reads `slot_indices[b]`: each step DMAs exactly its
-request's `[hb, K, V]` states in and the updated ones out. The pool buffer is aliased input → output
-(`input_output_aliases`), so the slots of other requests are never read or written and, with the buffer
-donated by the caller's jit, decode neither gathers nor scatters the pool. Slot indices must be distinct.
+Grid `(B, H / hb)`, hb heads per step (`tuning.decode_heads_per_step`). The slot indices and the
+layer index are scalar prefetched, so the index map of the state block reads `[layer, slot_indices[b]]`:
+each step DMAs exactly its request's `[hb, K, V]` states in and the updated ones out. The pool buffer
+is aliased input → output (`input_output_aliases`), so the slots of other requests are never read or
+written and, with the buffer donated by the caller's jit, decode neither gathers nor scatters the pool.
+Slot indices must be distinct.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kda_impl.kernels.common import prepare_inputs
-from kda_impl.kernels.naive_decode import validate_decode_inputs
+from kda_impl.kernels.naive_decode import as_layered_pool, validate_decode_inputs
 from kda_impl.kernels.pallas.common import COLUMNS, column_step, pack_columns, resolve_interpret
 from kda_impl.kernels.pallas.tuning import decode_heads_per_step
 
@@ -31,8 +32,9 @@ def decode_kda_slots(
     g: jax.Array,  # [B, H, K]
     beta: jax.Array,  # [B, H]
     *,
-    state_buffer: jax.Array,  # [S, H, K, V], one layer of the state pool
+    state_buffer: jax.Array,  # [S, H, K, V] one layer of the pool, or [L, S, H, K, V] with layer_index
     slot_indices: jax.Array,  # i32[B], distinct
+    layer_index: int | jax.Array | None = None,
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     interpret: bool | None = None,
@@ -41,27 +43,31 @@ def decode_kda_slots(
 
     Returns `(o [B, H, V] in q's dtype, state_buffer with the given slots updated)`.
     """
-    validate_decode_inputs(q, k, v, g, beta, state_buffer, slot_indices)
+    pool = as_layered_pool(state_buffer, layer_index)
+    layer = 0 if layer_index is None else layer_index
+    validate_decode_inputs(q, k, v, g, beta, pool, slot_indices, layer)
     out_dtype = q.dtype
     q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     _, heads, key_dim = q.shape
-    o, state_buffer = _decode(
+    o, pool = _decode(
         jnp.asarray(slot_indices, jnp.int32),
+        jnp.asarray(layer, jnp.int32).reshape(1),
         pack_columns(q * scale, k, g, beta),
         v[:, :, None, :],
-        state_buffer,
+        pool,
         heads_per_step=decode_heads_per_step(heads, key_dim, v.shape[-1]),
         interpret=resolve_interpret(interpret),
     )
-    return o[:, :, 0].astype(out_dtype), state_buffer
+    return o[:, :, 0].astype(out_dtype), (pool[0] if layer_index is None else pool)
 
 
 @functools.partial(jax.jit, static_argnames=("heads_per_step", "interpret"))
 def _decode(
     slot_indices: jax.Array,  # i32[B]
+    layer_index: jax.Array,  # i32[1]
     columns: jax.Array,  # [B, H, K, 4] q (scaled), k, g, beta
     v: jax.Array,  # [B, H, 1, V]
-    state_buffer: jax.Array,  # [S, H, K, V]
+    pool: jax.Array,  # [L, S, H, K, V]
     *,
     heads_per_step: int,
     interpret: bool,
@@ -69,15 +75,17 @@ def _decode(
     batch, heads, key_dim, _ = columns.shape
     value_dim = v.shape[-1]
     hb = heads_per_step
-    row_block = pl.BlockSpec((None, hb, 1, value_dim), lambda b, h, slots: (b, h, 0, 0))
-    state_block = pl.BlockSpec((None, hb, key_dim, value_dim), lambda b, h, slots: (slots[b], h, 0, 0))
+    row_block = pl.BlockSpec((None, hb, 1, value_dim), lambda b, h, slots, layer: (b, h, 0, 0))
+    state_block = pl.BlockSpec(
+        (None, None, hb, key_dim, value_dim), lambda b, h, slots, layer: (layer[0], slots[b], h, 0, 0)
+    )
     return pl.pallas_call(
         _decode_kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
+            num_scalar_prefetch=2,
             grid=(batch, heads // hb),
             in_specs=[
-                pl.BlockSpec((None, hb, key_dim, COLUMNS), lambda b, h, slots: (b, h, 0, 0)),
+                pl.BlockSpec((None, hb, key_dim, COLUMNS), lambda b, h, slots, layer: (b, h, 0, 0)),
                 row_block,
                 state_block,
             ],
@@ -85,17 +93,18 @@ def _decode(
         ),
         out_shape=[
             jax.ShapeDtypeStruct((batch, heads, 1, value_dim), jnp.float32),
-            jax.ShapeDtypeStruct(state_buffer.shape, state_buffer.dtype),
+            jax.ShapeDtypeStruct(pool.shape, pool.dtype),
         ],
-        input_output_aliases={3: 1},  # state_buffer (after the prefetched slot_indices) → new buffer
+        input_output_aliases={4: 1},  # the pool (after the two prefetched index arrays) → the new pool
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
-    )(slot_indices, columns, v, state_buffer)
+    )(slot_indices, layer_index, columns, v, pool)
 
 
 def _decode_kernel(
     # scalar prefetch
     slots_ref: jax.Array,  # i32[B] (used by the index maps)
+    layer_ref: jax.Array,  # i32[1] (used by the index maps)
     # inputs
     columns_ref: jax.Array,  # [hb, K, 4]
     v_ref: jax.Array,  # [hb, 1, V]
