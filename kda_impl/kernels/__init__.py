@@ -4,7 +4,8 @@
 `pallas` — Pallas kernels (`kda_impl.kernels.pallas`), native on TPU; elsewhere they run only in
            interpret mode, which is how they are tested on CPU.
 `auto`   — Pallas where it runs natively (TPU), plain JAX elsewhere, and plain JAX whenever the Pallas
-           module cannot be imported or lowered (logged once, with the reason).
+           module cannot be imported, or a small probe of each kernel fails to lower on this backend
+           (logged once, with the reason).
 
 Choose with the `kernel=` argument of each function or the `KDA_KERNEL` environment variable
 (`naive|pallas|auto`, default `auto`). `resolve_kernel()` says which implementation a call would use.
@@ -19,8 +20,10 @@ from collections.abc import Callable
 from types import ModuleType
 
 import jax
+import jax.numpy as jnp
 
 from kda_impl.kernels import naive
+from kda_impl.kernels.common import kda_gate
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +39,37 @@ def _pallas_module() -> tuple[ModuleType | None, str]:
     except ImportError as err:  # a missing Pallas build or TPU plugin
         return None, f"cannot import kda_impl.kernels.pallas: {err}"
     return pallas, ""
+
+
+@functools.cache
+def _pallas_lowering_failure() -> str:
+    """Lower a tiny instance of each Pallas kernel for this backend once; "" or why it failed."""
+    module, why_not = _pallas_module()
+    if module is None:
+        return why_not
+    heads, dim, tokens = 1, 128, 16
+    f32 = jnp.float32
+    token_args = [jax.ShapeDtypeStruct((1, tokens, heads, dim), f32)] * 4
+    beta = jax.ShapeDtypeStruct((1, tokens, heads), f32)
+    step_args = [jax.ShapeDtypeStruct((2, heads, dim), f32)] * 4 + [jax.ShapeDtypeStruct((2, heads), f32)]
+    probes = {
+        "chunk_kda": (module.chunk_kda, (*token_args, beta), {}),
+        "fused_recurrent_kda": (module.fused_recurrent_kda, (*token_args, beta), {}),
+        "decode_kda_slots": (
+            module.decode_kda_slots,
+            step_args,
+            {
+                "state_buffer": jnp.zeros((3, heads, dim, dim), f32),
+                "slot_indices": jnp.arange(2, dtype=jnp.int32),
+            },
+        ),
+    }
+    for name, (kernel, args, kwargs) in probes.items():
+        try:
+            jax.jit(functools.partial(kernel, **kwargs)).lower(*args)
+        except Exception as err:  # any lowering error means: do not use Pallas here
+            return f"{name} does not lower on {jax.default_backend()}: {type(err).__name__}: {err}"
+    return ""
 
 
 @functools.cache
@@ -68,6 +102,10 @@ def resolve_kernel(kernel: str | None = None) -> str:
         return "naive"
     if jax.default_backend() != "tpu":
         return "naive"
+    failure = _pallas_lowering_failure()
+    if failure:
+        _log_fallback_once(failure)
+        return "naive"
     return "pallas"
 
 
@@ -78,9 +116,40 @@ def _implementation(name: str, kernel: str | None) -> Callable:
     return getattr(naive, name)
 
 
-def chunk_kda(q, k, v, g, beta, *, kernel: str | None = None, **kwargs):
-    """Chunked KDA (prefill); fla's signature, see `kda_impl.kernels.naive_chunk.chunk_kda`."""
-    return _implementation("chunk_kda", kernel)(q, k, v, g, beta, **kwargs)
+def chunk_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    kernel: str | None = None,
+    use_gate_in_kernel: bool = False,
+    A_log=None,
+    dt_bias=None,
+    **kwargs,
+):
+    """Chunked KDA (prefill); fla's signature, see `kda_impl.kernels.naive_chunk.chunk_kda`.
+
+    With `use_gate_in_kernel`, `g` is the raw gate projection `[B, T, H, K]` and the decay
+    `-exp(A_log[h]) * softplus(g + dt_bias)` (A_log `[H]`, dt_bias `[H, K]` or `[H * K]`) is computed
+    inside the Pallas kernel, or just before the plain-JAX one.
+    """
+    if resolve_kernel(kernel) == "pallas":
+        module, _ = _pallas_module()
+        gate = {"use_gate_in_kernel": use_gate_in_kernel, "A_log": A_log, "dt_bias": dt_bias}
+        return module.chunk_kda(q, k, v, g, beta, **gate, **kwargs)
+    if use_gate_in_kernel:
+        heads, key_dim = g.shape[2], g.shape[3]
+        if A_log is None or jnp.shape(A_log) != (heads,):
+            raise ValueError(
+                f"use_gate_in_kernel=True needs A_log of shape [H]=({heads},), got {A_log!r:.80}"
+            )
+        bias = jnp.zeros((heads, key_dim)) if dt_bias is None else jnp.reshape(dt_bias, (heads, key_dim))
+        g = kda_gate(g, jnp.asarray(A_log)[:, None], bias)
+    elif A_log is not None or dt_bias is not None:
+        raise ValueError("A_log / dt_bias are only used with use_gate_in_kernel=True")
+    return naive.chunk_kda(q, k, v, g, beta, **kwargs)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, *, kernel: str | None = None, **kwargs):

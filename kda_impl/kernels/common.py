@@ -7,6 +7,23 @@ import jax.numpy as jnp
 
 HIGHEST = jax.lax.Precision.HIGHEST
 L2NORM_EPS = 1e-6
+SOFTPLUS_THRESHOLD = 20.0
+
+
+def softplus(z: jax.Array) -> jax.Array:
+    """The references' softplus: `z` above 20, else `log(1 + exp(z))` (not a clipped log1p, which
+    returns 20 for every large z)."""
+    return jnp.where(z > SOFTPLUS_THRESHOLD, z, jnp.log(1.0 + jnp.exp(jnp.minimum(z, SOFTPLUS_THRESHOLD))))
+
+
+def kda_gate(
+    raw: jax.Array,  # [..., K] the gate projection before activation
+    a_log: jax.Array,  # broadcastable to raw: A_log of each head
+    dt_bias: jax.Array,  # broadcastable to raw
+) -> jax.Array:
+    """The KDA log decay `g = -exp(A_log) * softplus(raw + dt_bias)`, in fp32."""
+    raw, a_log, dt_bias = (jnp.asarray(x, jnp.float32) for x in (raw, a_log, dt_bias))
+    return -jnp.exp(a_log) * softplus(raw + dt_bias)
 
 
 def l2norm(x: jax.Array) -> jax.Array:

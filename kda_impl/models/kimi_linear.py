@@ -21,17 +21,10 @@ import numpy as np
 from flax import nnx
 
 from kda_impl.config import KDAConfig
-from kda_impl.kernels.common import HIGHEST, l2norm
+from kda_impl.kernels.common import HIGHEST, kda_gate, l2norm
 from kda_impl.layers.radix_linear_attention import RadixLinearAttention
 from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
 from kda_impl.model_executor.forward_batch import ForwardBatch
-
-SOFTPLUS_THRESHOLD = 20.0
-
-
-def softplus(z: jax.Array) -> jax.Array:
-    """`z` above 20, else `log(1 + exp(z))` (the reference's softplus; not a clipped log1p)."""
-    return jnp.where(z > SOFTPLUS_THRESHOLD, z, jnp.log(1.0 + jnp.exp(jnp.minimum(z, SOFTPLUS_THRESHOLD))))
 
 
 class GatedRMSNorm(nnx.Module):
@@ -174,8 +167,7 @@ class KimiDeltaAttention(nnx.Module):
         """Per-channel log decay `g = -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias)`: `[T, H, D]` fp32."""
         heads, dim = self.config.num_heads, self.config.head_dim
         f = self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32).reshape(-1, heads, dim)
-        f = f + self.dt_bias[...].astype(jnp.float32)
-        return -jnp.exp(self.A_log[...].astype(jnp.float32))[:, None] * softplus(f)
+        return kda_gate(f, self.A_log[...][:, None], self.dt_bias[...])
 
     def _check_inputs(
         self,

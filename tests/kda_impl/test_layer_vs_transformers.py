@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dump_gen.weights import synthetic_weights
-from kda_impl.models.kimi_linear import softplus
+from kda_impl.kernels.common import softplus
 from tests.kda_impl.conftest import CONFIGS, assert_close, random_states, random_tokens
 
 SINGLE_LENGTHS = (1, 65, 200)

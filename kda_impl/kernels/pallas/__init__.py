@@ -6,8 +6,7 @@ Same names and signatures as `kda_impl.kernels.naive` (their readable references
 """
 
 from kda_impl.kernels.pallas.chunk import chunk_kda
-from kda_impl.kernels.pallas.common import kda_gate
 from kda_impl.kernels.pallas.decode import decode_kda_slots
 from kda_impl.kernels.pallas.recurrent import fused_recurrent_kda
 
-__all__ = ["chunk_kda", "decode_kda_slots", "fused_recurrent_kda", "kda_gate"]
+__all__ = ["chunk_kda", "decode_kda_slots", "fused_recurrent_kda"]

@@ -28,13 +28,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kda_impl.kernels.common import initial_or_zeros, prepare_inputs
+from kda_impl.kernels.common import initial_or_zeros, kda_gate, prepare_inputs
 from kda_impl.kernels.naive_chunk import _to_chunks
 from kda_impl.kernels.pallas.common import (
     chunk_schedule,
     dot,
     dot_nt,
-    kda_gate,
     masked_sum,
     resolve_interpret,
 )

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 from kda_impl.kernels.common import HIGHEST
 from kda_impl.kernels.naive_chunk import ChunkLayout, chunk_layout
 
-SOFTPLUS_THRESHOLD = 20.0
 COLUMNS = 4  # q, k, g, beta of one token as the columns of a [K, 4] block (see `pack_columns`)
 
 
@@ -35,20 +34,6 @@ def dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
 def masked_sum(mask: jax.Array, x: jax.Array) -> jax.Array:
     """`sum_t mask[i, t] x[t]`: a direct sum over the rows the 0/1 mask selects (exact weights)."""
     return dot(mask.astype(jnp.float32), x)
-
-
-def softplus(z: jax.Array) -> jax.Array:
-    """torch's softplus: `z` above 20, else `log1p(exp(z))`."""
-    return jnp.where(z > SOFTPLUS_THRESHOLD, z, jnp.log1p(jnp.exp(jnp.minimum(z, SOFTPLUS_THRESHOLD))))
-
-
-def kda_gate(
-    raw: jax.Array,  # [..., K] the gate before activation
-    a_log: jax.Array,  # broadcastable to raw, A_log of the head
-    dt_bias: jax.Array,  # broadcastable to raw
-) -> jax.Array:
-    """fla's KDA gate `g = -exp(A_log) * softplus(raw + dt_bias)` in fp32 (readable and in-kernel alike)."""
-    return -jnp.exp(a_log) * softplus(raw + dt_bias)
 
 
 def pack_columns(
