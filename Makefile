@@ -16,6 +16,7 @@ PRESET ?= kimi-linear-48b-a3b
 REFERENCE ?= transformers
 DEVICE ?= cpu
 PYTEST_ARGS ?=
+DUMP_ARGS ?=
 
 .PHONY: conform test test-slow dump golden lint bench conform-full clean-venv
 
@@ -39,7 +40,7 @@ test-slow: $(VENV)/.full
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 dump: $(VENV)/.full
-	$(PY) -m dump_gen --out $(OUT) --preset $(PRESET) --reference $(REFERENCE) --device $(DEVICE)
+	$(PY) -m dump_gen --out $(OUT) --preset $(PRESET) --reference $(REFERENCE) --device $(DEVICE) $(DUMP_ARGS)
 
 golden: $(VENV)/.full
 	rm -rf golden.tmp && $(PY) -m dump_gen --out golden.tmp --preset mini --reference transformers --device cpu
