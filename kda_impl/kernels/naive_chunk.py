@@ -252,8 +252,8 @@ def intra_chunk(
     a_kk = a_kk * beta[..., None]
     decay = jnp.exp(prefix)  # Γ <= 1
     rhs = jnp.concatenate([v, k * decay], axis=-1) * beta[..., None]
-    solved = jax.lax.linalg.triangular_solve(
-        a_kk, rhs, left_side=True, lower=True, unit_diagonal=True
+    solved = jnp.einsum(
+        "nhij,nhjk->nhik", unit_lower_inverse(a_kk), rhs, precision=HIGHEST
     )  # (I + A)^-1 [beta v | beta k Γ]
     value_dim = v.shape[-1]
     return IntraChunk(
@@ -284,45 +284,53 @@ def decay_scores(
     nothing overflows and nothing cancels. Each (i > j) falls in exactly one such quadrant; the
     diagonal is q_i . k_i. Work is O(C K log C) in small matmuls. Returns two [NC, H, C, C].
     """
-    chunks, heads, size, dim = k.shape
-    factors = jnp.exp(
-        jnp.einsum("lit,nhtk->lnhik", jnp.asarray(_halving_masks(size), g.dtype), g, precision=HIGHEST)
-    )  # [levels, NC, H, C, K]: per level, the row factors (lower halves) and column factors (upper)
+    size, dim = k.shape[2:]
     # blocks: [2, NC, H, groups, h, h] the qk and kk lower-triangular diagonal blocks, from h = 1.
     rows = jnp.stack([q, k])  # [2, NC, H, C, K]
     blocks = jnp.stack([jnp.sum(q * k, axis=-1), jnp.zeros(q.shape[:-1], q.dtype)])[..., None, None]
-    for level in range(factors.shape[0]):
-        half = 2**level
+    half = 1
+    while half < size:
         groups = size // (2 * half)
-        factor = factors[level].reshape(chunks, heads, groups, 2 * half, dim)
-        columns = k.reshape(factor.shape)[..., :half, :] * factor[..., :half, :]
-        lower_rows = rows.reshape((2, *factor.shape))[..., half:, :] * factor[..., half:, :]
+        grouped = lambda x: x.reshape(*x.shape[:-2], groups, 2 * half, dim)  # noqa: E731, B023
+        upper_g, lower_g = grouped(g)[..., :half, :], grouped(g)[..., half:, :]
+        # Row i of the lower half: g over (m, i]; column j of the upper half: g over (j, m].
+        row_factor = jnp.exp(jnp.cumsum(lower_g.at[..., 0, :].set(0.0), axis=-2))
+        to_middle = jnp.concatenate([upper_g[..., 1:, :], lower_g[..., :1, :]], axis=-2)
+        column_factor = jnp.exp(jax.lax.cumsum(to_middle, axis=to_middle.ndim - 2, reverse=True))
+        columns = grouped(k)[..., :half, :] * column_factor
+        lower_rows = grouped(rows)[..., half:, :] * row_factor
         quadrant = jnp.einsum("xnhgik,nhgjk->xnhgij", lower_rows, columns, precision=HIGHEST)
-        top, bottom = blocks[:, :, :, 0::2], blocks[:, :, :, 1::2]
-        blocks = jnp.concatenate(
-            [
-                jnp.concatenate([top, jnp.zeros_like(top)], axis=-1),
-                jnp.concatenate([quadrant, bottom], axis=-1),
-            ],
-            axis=-2,
-        )  # [[top, 0], [quadrant, bottom]] for each pair of consecutive blocks
+        blocks = _merge_blocks(blocks, quadrant)
+        half *= 2
     return blocks[0, :, :, 0], blocks[1, :, :, 0]
 
 
-def _halving_masks(size: int) -> np.ndarray:
-    """bool[levels, C, C]: row i's segment at level l (half h = 2**l, group of 2h rows, middle m).
+def _merge_blocks(
+    blocks: jax.Array,  # [..., 2G, h, h] lower-triangular blocks along the diagonal
+    quadrant: jax.Array,  # [..., G, h, h] the lower-left quadrant of each merged block
+) -> jax.Array:
+    """`[[top, 0], [quadrant, bottom]]` for each pair of consecutive blocks: [..., G, 2h, 2h]."""
+    top, bottom = blocks[..., 0::2, :, :], blocks[..., 1::2, :, :]
+    upper = jnp.concatenate([top, jnp.zeros_like(top)], axis=-1)
+    return jnp.concatenate([upper, jnp.concatenate([quadrant, bottom], axis=-1)], axis=-2)
 
-    Lower-half rows i sum g over (m, i]; upper-half rows j sum g over (j, m].
+
+def unit_lower_inverse(a: jax.Array) -> jax.Array:  # a: [NC, H, C, C] strictly lower triangular
+    """(I + a)^-1 by recursive halving: inv([[L1, 0], [B, L2]]) = [[L1^-1, 0], [-L2^-1 B L1^-1, L2^-1]].
+
+    Block forward substitution (as fla's solve_tril), all in batched matmuls: no triangular_solve,
+    which is slow for many small systems on CPU and absent from Pallas TPU. Returns [NC, H, C, C].
     """
-    levels = size.bit_length() - 1
-    rows = np.arange(size)
-    masks = np.zeros((levels, size, size), bool)
-    for level in range(levels):
-        half = 2**level
-        middle = rows // (2 * half) * (2 * half) + half  # m of each row's group
-        lower = rows >= middle
-        t = rows[None, :]
-        i = rows[:, None]
-        m = middle[:, None]
-        masks[level] = np.where(lower[:, None], (t > m) & (t <= i), (t > i) & (t <= m))
-    return masks
+    chunks, heads, size, _ = a.shape
+    inverse = jnp.ones((chunks, heads, size, 1, 1), a.dtype)  # the 1x1 diagonal blocks of I + a
+    half = 1
+    while half < size:
+        groups = size // (2 * half)
+        grouped = a.reshape(chunks, heads, groups, 2 * half, groups, 2 * half)
+        index = jnp.arange(groups)
+        lower_left = jnp.moveaxis(grouped[:, :, index, half:, index, :half], 0, 2)  # [NC, H, G, h, h]
+        top, bottom = inverse[:, :, 0::2], inverse[:, :, 1::2]
+        quadrant = -jnp.einsum("nhgij,nhgjk,nhgkl->nhgil", bottom, lower_left, top, precision=HIGHEST)
+        inverse = _merge_blocks(inverse, quadrant)
+        half *= 2
+    return inverse[:, :, 0]
