@@ -14,13 +14,10 @@ import numpy as np
 from conformance.dump_format import weight_shapes
 from dump_gen.errors import DumpError
 from kda_impl.config import KDAConfig
+from kda_impl.hf_names import layer_prefix
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-
-
-def layer_prefix(layer: int) -> str:
-    return f"model.layers.{layer}.self_attn."
 
 
 def checkpoint_source(directory: str, layer: int) -> str:

@@ -1,5 +1,4 @@
-"""The layer's float32 master weights under their HF names: seeded synthetic ones, and their renaming for
-transformers' `KimiLinearDeltaAttention`.
+"""The layer's float32 master weights under their HF names, seeded and synthetic.
 
 HF names are the checkpoint names of one KDA layer without the `model.layers.{i}.self_attn.` prefix
 (`conformance.dump_format.weight_shapes`); they are also the names the hub's `KimiDeltaAttention` uses.
@@ -11,17 +10,10 @@ import numpy as np
 
 from conformance.dump_format import weight_shapes
 from kda_impl.config import KDAConfig
+from kda_impl.hf_names import CONV_NAMES
 
 # Stream 0 of the run's seed draws the weights; the cases use their own streams (inputs.py).
 WEIGHTS_STREAM = 0
-
-# Kept in float32 when a bf16 run casts the layer (as transformers' `_keep_in_fp32_modules_strict` and the
-# serving stacks keep them).
-KEEP_FP32 = ("A_log", "dt_bias")
-
-# transformers keeps the forget gate in a submodule and the three depthwise convs in one.
-_FORGET_GATE = ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log")
-_CONVS = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
 
 
 def synthetic_weights(config: KDAConfig, seed: int) -> dict[str, np.ndarray]:
@@ -44,22 +36,10 @@ def synthetic_weights(config: KDAConfig, seed: int) -> dict[str, np.ndarray]:
             values = dt + np.log(-np.expm1(-dt))
         elif name == "o_norm.weight":
             values = rng.uniform(0.5, 1.5, shape)
-        elif name in _CONVS:
+        elif name in CONV_NAMES:
             bound = config.conv_size**-0.5
             values = rng.uniform(-bound, bound, shape)
         else:
             values = rng.normal(0.0, shape[1] ** -0.5, shape)
         weights[name] = values.astype(np.float32)
     return weights
-
-
-def hf_to_transformers(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """HF names → the state_dict names of transformers' `KimiLinearDeltaAttention`.
-
-    The same renaming as transformers' own checkpoint conversion for `kimi_linear`: the three convs
-    concatenated along the channel axis into `conv1d.weight`, the gate under `forget_gate.`.
-    """
-    renamed = {name: array for name, array in weights.items() if name not in _FORGET_GATE + _CONVS}
-    renamed.update({f"forget_gate.{name}": weights[name] for name in _FORGET_GATE})
-    renamed["conv1d.weight"] = np.concatenate([weights[name] for name in _CONVS], axis=0)
-    return renamed

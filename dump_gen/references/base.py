@@ -11,7 +11,7 @@ import torch
 
 from dump_gen.capture import KERNEL_INPUTS, KernelCall, NormCall
 from dump_gen.inputs import CaseInputs
-from dump_gen.weights import KEEP_FP32
+from kda_impl.hf_names import FP32_WEIGHTS
 
 _VERSIONED = ("torch", "transformers", "fla-core", "flash-linear-attention", "triton", "numpy")
 
@@ -61,13 +61,13 @@ def device_description(device: str) -> str:
 def load_layer(
     module: torch.nn.Module, state_dict: dict[str, np.ndarray], dtype: torch.dtype, device: str
 ) -> torch.nn.Module:
-    """`module` on `device` in `dtype` (KEEP_FP32 parameters in float32) holding `state_dict`, in eval mode.
+    """`module` on `device` in `dtype` (FP32_WEIGHTS kept float32) holding `state_dict`, in eval mode.
 
     The float32 masters are copied into the cast parameters, so each value is rounded once.
     """
     module.to(device=device, dtype=dtype)
     for name, parameter in module.named_parameters():
-        if name.rsplit(".", 1)[-1] in KEEP_FP32:
+        if name.rsplit(".", 1)[-1] in FP32_WEIGHTS:
             parameter.data = parameter.data.float()
     module.load_state_dict({name: torch.from_numpy(array) for name, array in state_dict.items()}, strict=True)
     return module.eval()
