@@ -76,9 +76,7 @@ KERNEL_KEYS = (
 INTERMEDIATE_KEYS = ("q_after_conv", "k_after_conv", "v_after_conv", "g", "beta", "g_out", "o_norm")
 OPTIONAL_KEYS = ("final_conv_state",)
 # Keys that stay float32 in a bf16 run (states and the fp32 gate path).
-FP32_IN_BF16_RUN = frozenset(
-    {"recurrent_state_chunk", "recurrent_state_fused_recurrent", "g", "beta"}
-)
+FP32_IN_BF16_RUN = frozenset({"recurrent_state_chunk", "recurrent_state_fused_recurrent", "g", "beta"})
 DTYPES = ("fp32", "bf16")
 
 

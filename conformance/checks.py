@@ -1,0 +1,332 @@
+"""The checks: which ones a case gets, and how each result is computed and compared.
+
+A check is one result of the implementation under test against one reference, for one case and
+dtype: the layer output, a kernel output or state, an intermediate, a prefill→decode or chunked
+prefill replay. `CheckRunner` computes them through the adapter, reusing one adapter per dtype and
+each layer call for every check that needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from conformance import dump_format as fmt
+from conformance import sequences
+from conformance.adapter import KDAAdapter, LayerResult
+from conformance.metrics import Comparison, compare
+from conformance.reader import CaseData, DumpSet
+from conformance.tolerances import TolerancePolicy
+
+# Kernel checks: check name → (kernel path as in the dump keys, which result).
+KERNEL_CHECKS = {
+    "kernel-chunk": ("chunk", "o"),
+    "kernel-chunk-state": ("chunk", "state"),
+    "kernel-recurrent": ("fused_recurrent", "o"),
+    "kernel-recurrent-state": ("fused_recurrent", "state"),
+}
+KERNEL_INPUTS = ("q_after_conv", "k_after_conv", "v_after_conv", "g", "beta")
+GROUPS = ("layer", "kernel", "intermediate", "decode", "chunked")
+
+_OUT_AXES = ("token", "channel")
+_HEAD_AXES = ("token", "head", "channel")
+_STATE_AXES = ("seq", "head", "key", "value")
+
+
+class CheckSkipped(Exception):
+    """A check that cannot run here (nothing to compare with, or no such path in the adapter)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckSpec:
+    case_id: str
+    dtype: str
+    check: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.case_id}-{self.dtype}-{self.check}"
+
+    @property
+    def group(self) -> str:
+        return group_of(self.check)
+
+
+def group_of(check: str) -> str:
+    """The column of the summary table a check belongs to."""
+    if check in fmt.INTERMEDIATE_KEYS:
+        return "intermediate"
+    return next(group for group in GROUPS if check.startswith(group))
+
+
+def case_checks(seq_lens: tuple[int, ...]) -> list[str]:
+    """The names of the checks a case of these sequence lengths gets, per dtype."""
+    decode_runs = [f"k{k}" for k in sequences.DECODE_STEPS]
+    if max(seq_lens) <= sequences.DECODE_ALL_MAX_LEN:
+        decode_runs.append("all")
+    return [
+        "layer",
+        "layer-state",
+        *KERNEL_CHECKS,
+        *fmt.INTERMEDIATE_KEYS,
+        *(f"decode-{run}{suffix}" for run in decode_runs for suffix in ("", "-self")),
+        "chunked-prefill",
+        "chunked-prefill-state",
+    ]
+
+
+def plan(dumps: DumpSet, case_ids: list[str], dtypes: list[str]) -> list[CheckSpec]:
+    """Every check of the selected cases and dtypes, ordered by case, then dtype."""
+    return [
+        CheckSpec(case_id, dtype, check)
+        for case_id in case_ids
+        for dtype in dtypes
+        for check in case_checks(dumps.cases[case_id].seq_lens)
+    ]
+
+
+def l2norm(x: np.ndarray) -> np.ndarray:
+    """Per-head L2 normalisation in fp32, as the kernels expect q and k (kda-layer.md step 5)."""
+    x = np.asarray(x, np.float32)
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + np.float32(1e-6))
+
+
+def _decode_run(check: str) -> int | None:
+    """k of a `decode-k<k>[-self]` check; None for `decode-all[-self]`."""
+    run = check.removeprefix("decode-").removesuffix("-self")
+    return None if run == "all" else int(run[1:])
+
+
+class CheckRunner:
+    """Computes checks through one adapter per dtype, caching layer calls within the current case."""
+
+    def __init__(
+        self,
+        dumps: DumpSet,
+        adapter_class: type[KDAAdapter],
+        kernel: str,
+        policy: TolerancePolicy,
+    ):
+        self.dumps = dumps
+        self.adapter_class = adapter_class
+        self.kernel = kernel
+        self.policy = policy
+        self.adapters: dict[str, KDAAdapter] = {}
+        self._adapter_errors: dict[str, Exception] = {}
+        self._weights: dict[str, np.ndarray] | None = None
+        self._case: CaseData | None = None
+        self._memo: dict[tuple[Any, ...], Any] = {}
+
+    # ------------------------------------------------------------------------------------- resources
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """The dump's float32 weights, read and checked once."""
+        if self._weights is None:
+            self._weights = self.dumps.weights()
+        return self._weights
+
+    def adapter(self, dtype: str) -> KDAAdapter:
+        """The implementation for `dtype`, built once; a failure to build it is raised to every check."""
+        if dtype in self._adapter_errors:
+            raise self._adapter_errors[dtype]
+        if dtype not in self.adapters:
+            try:
+                self.adapters[dtype] = self.adapter_class(
+                    self.dumps.config, self.weights(), dtype, self.kernel
+                )
+            except Exception as err:
+                self._adapter_errors[dtype] = err
+                raise
+        return self.adapters[dtype]
+
+    def case(self, case_id: str) -> CaseData:
+        if self._case is None or self._case.info.case_id != case_id:
+            self._memo.clear()
+            self._case = None  # free the previous case before reading the next
+            self._case = self.dumps.case(case_id)
+        return self._case
+
+    def _memoized(self, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
+        """compute() once per case; a failure too, so that the checks sharing it do not repeat it."""
+        if key not in self._memo:
+            try:
+                self._memo[key] = (True, compute())
+            except Exception as err:
+                self._memo[key] = (False, err)
+        ok, value = self._memo[key]
+        if not ok:
+            raise value
+        return value
+
+    # --------------------------------------------------------------------------------------- checks
+
+    def run(self, spec: CheckSpec) -> Comparison:
+        """Compute and compare one check; `CheckSkipped` when it cannot run."""
+        case = self.case(spec.case_id)
+        if not case.has_dtype(spec.dtype):
+            raise CheckSkipped(f"the dump has no {spec.dtype} run (no {fmt.result_key('out', spec.dtype)})")
+        actual, expected, axes, positions = self.pair(case, spec)
+        return compare(
+            np.asarray(actual),
+            expected,
+            self.policy.tolerance(spec.check, spec.dtype),
+            self.policy.rfc[spec.dtype],
+            axes,
+            positions,
+        )
+
+    def pair(self, case: CaseData, spec: CheckSpec) -> tuple[Any, np.ndarray, tuple[str, ...], dict]:
+        """(result, reference, axis names, positions) of one check."""
+        check, dtype = spec.check, spec.dtype
+        if check == "layer":
+            return self.layer(case, dtype).out, self._expected(case, "out", dtype), _OUT_AXES, {}
+        if check == "layer-state":
+            state = self.layer(case, dtype).final_state
+            if state is None:
+                raise CheckSkipped(f"adapter {self.adapter(dtype).name!r} returns no final recurrent state")
+            reference = self._expected(case, f"recurrent_state_{case.info.layer_kernel_path}", dtype)
+            return state, reference, _STATE_AXES, {}
+        if check in KERNEL_CHECKS:
+            path, which = KERNEL_CHECKS[check]
+            o, state = self.kernel_on_dump(case, dtype, path)
+            if which == "o":
+                return o, self._expected(case, f"o_kda_{path}", dtype), _HEAD_AXES, {}
+            return state, self._expected(case, f"recurrent_state_{path}", dtype), _STATE_AXES, {}
+        if check in fmt.INTERMEDIATE_KEYS:
+            reference = self._expected(case, check, dtype)
+            value = self.layer(case, dtype).intermediates.get(check)
+            if value is None:
+                raise CheckSkipped(f"adapter {self.adapter(dtype).name!r} does not expose {check!r}")
+            return value, reference, _HEAD_AXES[: reference.ndim], {}
+        if check.startswith("decode-"):
+            decoded, token_rows = self.decode(case, dtype, _decode_run(check))
+            if check.endswith("-self"):
+                reference = np.asarray(self.layer(case, dtype).out)[token_rows]
+            else:
+                reference = self._expected(case, "out", dtype)[token_rows]
+            return decoded, reference, _OUT_AXES, {"token": token_rows}
+        if check.startswith("chunked-prefill"):
+            out, state = self.chunked_prefill(case, dtype)
+            if check == "chunked-prefill":
+                return out, self._expected(case, "out", dtype), _OUT_AXES, {}
+            if state is None:
+                raise CheckSkipped(f"adapter {self.adapter(dtype).name!r} returns no final recurrent state")
+            reference = self._expected(case, f"recurrent_state_{case.info.layer_kernel_path}", dtype)
+            return state, reference, _STATE_AXES, {}
+        raise ValueError(f"unknown check {check!r}")
+
+    @staticmethod
+    def _expected(case: CaseData, name: str, dtype: str) -> np.ndarray:
+        value = case.result(name, dtype)
+        if value is None:
+            raise CheckSkipped(f"the dump has no {fmt.result_key(name, dtype)!r}")
+        return value
+
+    # -------------------------------------------------------------------------------- computations
+
+    @staticmethod
+    def inputs(case: CaseData, dtype: str) -> np.ndarray:
+        """hidden_states as the run sees them: rounded to bf16 for the bf16 run."""
+        if dtype == "bf16":
+            return case.hidden_states.astype(ml_dtypes.bfloat16).astype(np.float32)
+        return case.hidden_states
+
+    def layer(self, case: CaseData, dtype: str) -> LayerResult:
+        """One prefill of the whole case."""
+        return self._memoized(
+            ("layer", dtype),
+            lambda: self._call(
+                dtype, "layer_extend", self.inputs(case, dtype), case.cu_seqlens, case.initial_state
+            ),
+        )
+
+    def kernel_on_dump(self, case: CaseData, dtype: str, path: str) -> tuple[np.ndarray, np.ndarray]:
+        """The chunk or recurrent kernel on the dumped q, k, v, g, beta of this run."""
+        missing = [fmt.result_key(name, dtype) for name in KERNEL_INPUTS if case.result(name, dtype) is None]
+        if missing:
+            raise CheckSkipped(f"the dump has no {missing}: the kernel inputs are not in it")
+        stages = {name: case.result(name, dtype) for name in KERNEL_INPUTS}
+        return self._memoized(("kernel", dtype, path), lambda: self.run_kernel(case, dtype, path, stages))
+
+    def run_kernel(
+        self, case: CaseData, dtype: str, path: str, stages: dict[str, np.ndarray]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The `path` kernel ("chunk" or "fused_recurrent") on the conv outputs, g and beta in `stages`."""
+        q, k, v, g, beta = (np.asarray(stages[name]) for name in KERNEL_INPUTS)
+        method = "chunk_kernel" if path == "chunk" else "recurrent_kernel"
+        return self._call(
+            dtype, method, l2norm(q), l2norm(k), v, g, beta, case.cu_seqlens, case.initial_state
+        )
+
+    def decode(self, case: CaseData, dtype: str, k: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """Prefill all but the last k tokens of each sequence, then decode k steps.
+
+        Returns the decoded output rows and their token positions in the case. Sequences that need
+        fewer steps than the longest one are fed zero tokens afterwards, whose outputs are ignored.
+        """
+        return self._memoized(("decode", dtype, k), lambda: self._decode(case, dtype, k))
+
+    def _decode(self, case: CaseData, dtype: str, k: int | None) -> tuple[np.ndarray, np.ndarray]:
+        seq_lens, cu = case.info.seq_lens, case.cu_seqlens
+        steps = sequences.decode_lengths(seq_lens, k)
+        if max(steps) == 0:
+            raise CheckSkipped("every sequence is 1 token long: no decode step follows a non-empty prefill")
+        x = self.inputs(case, dtype)
+        prefill = [(0, n - s) for n, s in zip(seq_lens, steps)]
+        result = self._call(
+            dtype,
+            "layer_extend",
+            sequences.gather(x, cu, prefill),
+            sequences.offsets([n - s for n, s in zip(seq_lens, steps)]),
+            case.initial_state,
+        )
+        out = np.zeros(x.shape, np.float32)
+        carry = result.carry
+        for step in range(max(steps)):
+            positions = [cu[i] + seq_lens[i] - steps[i] + step for i in range(len(seq_lens))]
+            live = [step < s for s in steps]
+            tokens = np.stack([x[p] if on else np.zeros_like(x[0]) for p, on in zip(positions, live)])
+            result = self._call(dtype, "layer_decode", tokens, carry)
+            carry = result.carry
+            decoded = np.asarray(result.out)
+            for i, (p, on) in enumerate(zip(positions, live)):
+                if on:
+                    out[p] = decoded[i]
+        token_rows = sequences.rows(cu, [(n - s, n) for n, s in zip(seq_lens, steps)])
+        return out[token_rows], token_rows
+
+    def chunked_prefill(self, case: CaseData, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """The case prefilled in pieces, each call continuing the last; (out [T, hidden], final states)."""
+        return self._memoized(("chunked", dtype), lambda: self._chunked_prefill(case, dtype))
+
+    def _chunked_prefill(self, case: CaseData, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
+        pieces = sequences.chunked_prefill_pieces(case.info.seq_lens)
+        if len(pieces) < 2:
+            raise CheckSkipped(
+                f"the shortest sequence has {min(case.info.seq_lens)} token: every call needs a piece of each"
+            )
+        x, cu = self.inputs(case, dtype), case.cu_seqlens
+        out = np.zeros(x.shape, np.float32)
+        result = None
+        for ranges in pieces:
+            result = self._call(
+                dtype,
+                "layer_extend",
+                sequences.gather(x, cu, ranges),
+                sequences.offsets([hi - lo for lo, hi in ranges]),
+                case.initial_state if result is None else None,
+                None if result is None else result.carry,
+            )
+            out[sequences.rows(cu, ranges)] = np.asarray(result.out)
+        return out, result.final_state
+
+    def _call(self, dtype: str, method: str, *args: Any) -> Any:
+        """Call an adapter method; a path it lacks (NotImplementedError) skips the check."""
+        try:
+            return getattr(self.adapter(dtype), method)(*args)
+        except NotImplementedError as err:
+            raise CheckSkipped(str(err) or f"adapter has no {method}") from None

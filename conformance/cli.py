@@ -1,0 +1,216 @@
+"""`python -m conformance {run,gate,diff,verify}` (docs/cli.md).
+
+Exit codes: 0 all holds; 1 a check or stage out of tolerance, or a gate breach; 2 a usage error, an
+unreadable or broken dump set or report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from conformance.adapter import load_adapter_class
+from conformance.dump_format import DTYPES
+from conformance.reader import DumpError, DumpSet
+from conformance.tolerances import DEFAULT_POLICY_FILE, TolerancePolicy
+
+SUITE_FILE = Path(__file__).with_name("suite") / "test_conformance.py"
+KERNELS = ("auto", "naive", "pallas")
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """Bad arguments or unusable input: one line for the user, exit 2."""
+
+
+def _add_impl_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--impl", default="kda_impl", help="built-in adapter name or package.module:Attr")
+    parser.add_argument("--kernel", default="auto", choices=KERNELS, help="kernel of the implementation")
+    parser.add_argument("--tolerances", default=str(DEFAULT_POLICY_FILE), help="tolerance policy file")
+    parser.add_argument(
+        "--tp", type=int, metavar="N", help="tensor-parallel size of kda_impl's mesh ($KDA_TP)"
+    )
+    parser.add_argument("--dp", type=int, metavar="M", help="data-parallel size of kda_impl's mesh ($KDA_DP)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m conformance", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="run the conformance suite and write the reports")
+    run.add_argument("--dumps", required=True, metavar="DIR_OR_URL")
+    _add_impl_options(run)
+    run.add_argument("--dtypes", default="fp32,bf16", help="comma-separated subset of fp32,bf16")
+    run.add_argument("--cases", nargs="+", metavar="ID", help="case ids (default: every case of the set)")
+    run.add_argument("--report-dir", default="reports", metavar="DIR")
+    run.add_argument("-k", dest="keyword", metavar="EXPR", help="only checks whose id matches (pytest -k)")
+    run.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failing check")
+
+    gate = commands.add_parser("gate", help="exit non-zero when a report breaches the policy")
+    gate.add_argument("report", metavar="REPORT.json")
+    gate.add_argument("--baseline", metavar="OLD_REPORT.json", help="fail where an error grew past it")
+    gate.add_argument(
+        "--growth-factor", type=float, help="allowed growth over the baseline (default: policy)"
+    )
+    gate.add_argument("--tolerances", default=str(DEFAULT_POLICY_FILE), help="tolerance policy file")
+
+    diff = commands.add_parser("diff", help="errors stage by stage through the layer for one case")
+    diff.add_argument("--dumps", required=True, metavar="DIR_OR_URL")
+    diff.add_argument("--case", required=True, metavar="ID")
+    diff.add_argument("--dtype", default="fp32", choices=DTYPES)
+    _add_impl_options(diff)
+    diff.add_argument("--png", metavar="FILE", help="draw a stage's error over tokens × heads")
+    diff.add_argument("--stage", metavar="RESULT", help="result to draw (default: first out of tolerance)")
+
+    verify = commands.add_parser("verify", help="check a dump set's schema and checksums")
+    verify.add_argument("--dumps", required=True, metavar="DIR_OR_URL")
+    return parser
+
+
+def _policy(path: str) -> TolerancePolicy:
+    try:
+        return TolerancePolicy.load(path)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def _open_verified(url: str) -> DumpSet:
+    """The dump set at `url` with every file checked, or a UsageError listing what is wrong."""
+    dumps = DumpSet(url)
+    problems = dumps.verify()
+    if problems:
+        raise UsageError(f"dump set {url} is broken:\n  " + "\n  ".join(problems))
+    return dumps
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    dumps = _open_verified(args.dumps)
+    files = len(dumps.cases) + 2
+    print(
+        f"{args.dumps}: format v1, {len(dumps.cases)} cases, {files} files, every sha256 and key checked: ok"
+    )
+    return EXIT_OK
+
+
+def _use_mesh(tp: int | None, dp: int | None) -> None:
+    """`--tp` / `--dp`: the built-in adapter's mesh, passed on as $KDA_TP / $KDA_DP and checked against
+    the devices (on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)."""
+    from conformance.adapters.kda_impl_adapter import DP_ENV, TP_ENV, mesh_size_from_env
+    from kda_impl.parallel import make_mesh
+
+    for name, value in ((TP_ENV, tp), (DP_ENV, dp)):
+        if value is not None:
+            os.environ[name] = str(value)
+    try:
+        make_mesh(mesh_size_from_env(TP_ENV), mesh_size_from_env(DP_ENV))
+    except ValueError as err:
+        raise UsageError(f"--tp/--dp: {err}") from None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import pytest
+
+    _open_verified(args.dumps)
+    _policy(args.tolerances)
+    try:
+        load_adapter_class(args.impl)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if args.tp is not None or args.dp is not None:
+        _use_mesh(args.tp, args.dp)
+    report_dir = Path(args.report_dir)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    pytest_args = [
+        str(SUITE_FILE),
+        "-c", os.devnull,  # the suite's behaviour does not depend on the pytest settings of the cwd
+        f"--rootdir={SUITE_FILE.parent}",
+        f"--dumps={args.dumps}",
+        f"--impl={args.impl}",
+        f"--kernel={args.kernel}",
+        f"--dtypes={args.dtypes}",
+        f"--report-dir={report_dir}",
+        f"--tolerances={args.tolerances}",
+        f"--junitxml={report_dir / 'junit.xml'}",
+        "-o", "junit_family=xunit1",
+        "-o", "junit_suite_name=kda-conformance",
+        "-p", "no:cacheprovider",
+        "-rN",
+    ]  # fmt: skip
+    if args.cases:
+        pytest_args += ["--cases", *args.cases]
+    if args.keyword:
+        pytest_args += ["-k", args.keyword]
+    if args.exitfirst:
+        pytest_args.append("-x")
+    code = pytest.main(pytest_args)
+    return {0: EXIT_OK, 1: EXIT_FAIL}.get(int(code), EXIT_USAGE)
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    from conformance.gate import ReportError, breaches, load_report
+
+    policy = _policy(args.tolerances)
+    try:
+        report = load_report(args.report)
+        baseline = load_report(args.baseline) if args.baseline else None
+    except ReportError as err:
+        raise UsageError(str(err)) from None
+    factor = args.growth_factor if args.growth_factor is not None else policy.growth_factor
+    found = breaches(report, baseline, factor, policy.growth_min_ratio)
+    counts = report.get("summary", {})
+    totals = ", ".join(f"{counts.get(s, 0)} {s}" for s in ("passed", "failed", "error", "skipped"))
+    if found:
+        print(f"gate: FAIL ({len(found)} breach{'es' if len(found) > 1 else ''}; {totals})")
+        for line in found:
+            print(f"  {line}")
+        return EXIT_FAIL
+    against = f" against baseline {args.baseline} (growth ≤ ×{factor:g})" if baseline else ""
+    print(f"gate: ok ({totals}){against}")
+    return EXIT_OK
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from conformance.checks import CheckRunner
+    from conformance.diff import draw_heatmap, first_out_of_tolerance, run_stages, table_lines
+
+    dumps = DumpSet(args.dumps)
+    dumps.case_ids([args.case])  # names an unknown case
+    if args.tp is not None or args.dp is not None:
+        _use_mesh(args.tp, args.dp)
+    try:
+        adapter_class = load_adapter_class(args.impl)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    runner = CheckRunner(dumps, adapter_class, args.kernel, _policy(args.tolerances))
+    if not runner.case(args.case).has_dtype(args.dtype):
+        raise UsageError(f"case {args.case!r} of {args.dumps} has no {args.dtype} run")
+    results = run_stages(runner, args.case, args.dtype)
+    print(f"{args.case} ({args.dtype}), implementation {args.impl}, kernel {args.kernel}")
+    for line in table_lines(results):
+        print(line)
+    first = first_out_of_tolerance(results)
+    if args.png:
+        compared = {row.key: row for row in results if row.comparison is not None}
+        name = args.stage or (first.key if first else "out")
+        if name not in compared:
+            raise UsageError(
+                f"--stage {name!r}: no compared result of that name; choose from {list(compared)}"
+            )
+        title = f"{args.case} {args.dtype}: {compared[name].result}"
+        draw_heatmap(compared[name], Path(args.png), title, runner.case(args.case).cu_seqlens)
+        print(f"heatmap of {name} written to {args.png}")
+    return EXIT_OK if first is None else EXIT_FAIL
+
+
+COMMANDS = {"run": cmd_run, "gate": cmd_gate, "diff": cmd_diff, "verify": cmd_verify}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (UsageError, DumpError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE

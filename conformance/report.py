@@ -1,0 +1,279 @@
+"""The records of a run and the reports made of them: report.json, report.md and the terminal table."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import math
+import platform
+from pathlib import Path
+from typing import Any
+
+from conformance.checks import GROUPS, CheckSpec
+from conformance.metrics import Comparison
+
+REPORT_FORMAT = "kda-conformance-report"
+REPORT_VERSION = 1
+STATUSES = ("passed", "failed", "error", "skipped")
+_VERSIONED_PACKAGES = ("kda-conformance", "jax", "jaxlib", "flax", "numpy", "ml_dtypes")
+
+
+@dataclasses.dataclass
+class Record:
+    """The outcome of one check."""
+
+    spec: CheckSpec
+    status: str  # one of STATUSES
+    message: str
+    duration_s: float
+    comparison: Comparison | None = None
+
+    def close_to_limit(self, close_margin: float) -> bool:
+        return (
+            self.status == "passed"
+            and self.comparison is not None
+            and self.comparison.gate_ratio > close_margin
+        )
+
+    def as_dict(self, close_margin: float) -> dict[str, Any]:
+        return {
+            "id": self.spec.id,
+            "case": self.spec.case_id,
+            "dtype": self.spec.dtype,
+            "check": self.spec.check,
+            "group": self.spec.group,
+            "status": self.status,
+            "message": self.message,
+            "duration_s": round(self.duration_s, 4),
+            "close_to_limit": self.close_to_limit(close_margin),
+            "metrics": None if self.comparison is None else self.comparison.as_dict(),
+        }
+
+
+def summary_counts(records: list[Record], close_margin: float) -> dict[str, int]:
+    counts = {status: sum(r.status == status for r in records) for status in STATUSES}
+    counts["close_to_limit"] = sum(r.close_to_limit(close_margin) for r in records)
+    counts["total"] = len(records)
+    return counts
+
+
+def environment() -> dict[str, Any]:
+    """Device and versions of the run."""
+    import jax
+
+    versions = {}
+    for package in _VERSIONED_PACKAGES:
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    devices = jax.devices()
+    return {
+        "backend": jax.default_backend(),
+        "device_kind": devices[0].device_kind,
+        "devices": [str(device) for device in devices],
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": versions,
+    }
+
+
+def build_report(records: list[Record], meta: dict[str, Any], close_margin: float) -> dict[str, Any]:
+    return {
+        "format": REPORT_FORMAT,
+        "version": REPORT_VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **meta,
+        "summary": summary_counts(records, close_margin),
+        "checks": [record.as_dict(close_margin) for record in records],
+    }
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN and Inf as strings, so that report.json stays standard JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    return value
+
+
+def write_json(report: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(_json_safe(report), indent=1, allow_nan=False) + "\n")
+
+
+# ---------------------------------------------------------------------------------------- tables
+
+
+def _number(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, str):
+        return value
+    return f"{value:.{digits}g}"
+
+
+def _cell(checks: list[dict[str, Any]]) -> str:
+    """One group of checks as one cell: its worst ratio to the limit and a verdict."""
+    if not checks:
+        return ""
+    statuses = {check["status"] for check in checks}
+    ratios = [check["metrics"]["gate_ratio"] for check in checks if check["metrics"]]
+    worst = max((r for r in ratios if isinstance(r, (int, float))), default=None)
+    ratio = "" if worst is None else f"{worst:.2g} "
+    if "error" in statuses:
+        return ratio + "ERROR"
+    if "failed" in statuses:
+        return ratio + "FAIL"
+    if statuses == {"skipped"}:
+        return "skip"
+    return ratio + ("ok" if "skipped" not in statuses else "ok*")
+
+
+def summary_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The case × check-group table: header and rows."""
+    rows: dict[tuple[str, str], dict[str, list]] = {}
+    for check in report["checks"]:
+        rows.setdefault((check["case"], check["dtype"]), {}).setdefault(check["group"], []).append(check)
+    header = ["case", "dtype", *GROUPS, "RFC 1e-3"]
+    body = [
+        [case, dtype, *(_cell(groups.get(g, [])) for g in GROUPS), _rfc_cell(groups)]
+        for (case, dtype), groups in rows.items()
+    ]
+    return header, body
+
+
+def _rfc_cell(groups: dict[str, list[dict[str, Any]]]) -> str:
+    """How many of the compared checks the RFC's own element-wise tolerance would fail."""
+    compared = [c["metrics"]["rfc"] for checks in groups.values() for c in checks if c["metrics"]]
+    outside = sum(not rfc.get("passed", False) for rfc in compared)
+    return f"{outside}/{len(compared)} out" if outside else "holds"
+
+
+def format_text_table(header: list[str], body: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in [header, *body]
+    ]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return lines
+
+
+def _markdown_table(header: list[str], body: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in body]
+    return lines
+
+
+def _kernels_used(by_dtype: dict[str, str]) -> str:
+    kernels = set(by_dtype.values())
+    if len(kernels) == 1:
+        return f"`{kernels.pop()}`"
+    return ", ".join(f"`{kernel}` ({dtype})" for dtype, kernel in by_dtype.items()) or "none"
+
+
+def _share(count: int | None, share: Any) -> str:
+    if count is None or not isinstance(share, float):
+        return ""
+    return f"{count} ({share:.2%})"
+
+
+def _where(metrics: dict[str, Any]) -> str:
+    return ", ".join(f"{axis} {i}" for axis, i in metrics.get("worst", {}).get("index", {}).items())
+
+
+def terminal_lines(report: dict[str, Any]) -> list[str]:
+    """The table printed at the end of a run, then every check that did not hold."""
+    header, body = summary_rows(report)
+    lines = format_text_table(header, body)
+    lines.append(
+        "cells: worst ratio to the gate's limit in the group (<= 1 holds), ok* = some skipped; "
+        "RFC 1e-3: checks outside the RFC's tolerance (reported, not gated)"
+    )
+    bad = [check for check in report["checks"] if check["status"] in ("failed", "error")]
+    lines += [f"{check['status'].upper()} {check['id']}: {check['message']}" for check in bad]
+    counts = report["summary"]
+    lines.append(
+        ", ".join(f"{counts[s]} {s}" for s in STATUSES) + f" ({counts['close_to_limit']} close to the limit)"
+    )
+    return lines
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """report.md: what was run, the summary table, what failed, and every check's numbers."""
+    report = _json_safe(report)
+    impl, env, counts = report["implementation"], report["environment"], report["summary"]
+    verdict = "**PASS**" if counts["failed"] == counts["error"] == 0 else "**FAIL**"
+    manifest = report["dumps"]["manifest"]
+    reference = manifest.get("reference", {})
+    lines = [
+        "# KDA conformance report",
+        "",
+        f"{verdict}: "
+        + ", ".join(f"{counts[s]} {s}" for s in STATUSES)
+        + f", {counts['close_to_limit']} close to the limit.",
+        "",
+        f"- implementation: `{impl['impl']}` ({impl['name']}), kernel requested `{impl['kernel']}`, "
+        f"used {_kernels_used(impl['kernel_used'])}",
+        f"- device: {env['backend']} ({env['device_kind']}), jax {env['versions'].get('jax', '?')}",
+        f"- dumps: `{report['dumps']['url']}`, preset `{manifest['config'].get('preset')}`, "
+        f"reference {reference.get('name', '?')} on {reference.get('device', '?')}",
+        f"- tolerances: `{report['tolerances']['source']}`",
+        "",
+        "## Summary",
+        "",
+        "Each cell: the worst ratio of a result's error to the gate's limit in that group of checks "
+        "(<= 1 holds); ok* means some checks of the group were skipped. RFC 1e-3: how many checks the "
+        "RFC's own tolerance would fail (reported, not gated; see docs/tolerance-policy.md).",
+        "",
+        *_markdown_table(*summary_rows(report)),
+    ]
+    bad = [check for check in report["checks"] if check["status"] in ("failed", "error")]
+    if bad:
+        lines += ["", "## Failures", ""]
+        lines += [f"- `{check['id']}` ({check['status']}): {check['message']}" for check in bad]
+    close = [check for check in report["checks"] if check["close_to_limit"]]
+    if close:
+        lines += ["", "## Close to the limit", "", f"<details><summary>{len(close)} checks</summary>", ""]
+        lines += [
+            f"- `{c['id']}`: ratio {c['metrics']['gate_ratio']:.3g}, worst at {_where(c['metrics'])}"
+            for c in close
+        ]
+        lines += ["", "</details>"]
+    lines += ["", "## Every check", "", "<details><summary>numbers</summary>", ""]
+    header = [
+        "check",
+        "status",
+        "max abs",
+        "max rel",
+        "outside",
+        "margin",
+        "nRMSE",
+        "RFC outside",
+        "RFC margin",
+        "worst at",
+    ]
+    body = []
+    for check in report["checks"]:
+        metrics = check["metrics"] or {}
+        rfc = metrics.get("rfc", {})
+        body.append(
+            [
+                check["id"],
+                check["status"] if check["status"] != "skipped" else f"skipped: {check['message']}",
+                _number(metrics.get("max_abs")),
+                _number(metrics.get("max_rel")),
+                _share(metrics.get("n_outside"), metrics.get("share_outside")),
+                _number(metrics.get("margin")),
+                _number(metrics.get("nrmse")),
+                _share(rfc.get("n_outside"), rfc.get("share_outside")),
+                _number(rfc.get("margin")),
+                _where(metrics) if metrics else "",
+            ]
+        )
+    lines += [*_markdown_table(header, body), "", "</details>", ""]
+    return "\n".join(lines)

@@ -1,0 +1,17 @@
+"""One test per check; the ids read `<case>-<dtype>-<check>` (`T65-fp32-layer`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from conformance.checks import CheckSpec
+
+
+def test_check(spec: CheckSpec, conformance: Any, record_property: Any) -> None:
+    comparison = conformance.check(spec)  # skips the test when the check cannot run
+    for key in ("margin", "nrmse", "max_abs", "share_outside"):
+        record_property(key, f"{getattr(comparison, key):.4g}")
+    if not comparison.passed:
+        pytest.fail(comparison.summary(), pytrace=False)

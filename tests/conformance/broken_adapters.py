@@ -1,0 +1,95 @@
+"""kda_impl broken on purpose, to prove that the checks catch each kind of bug.
+
+Each adapter changes one thing of the built-in `KDAImplAdapter` and keeps the rest of its serving
+path: the decay gate's sign, the conv's respect for sequence boundaries, the conv state carried into
+decode, or the output by 1e-4. The first two swap a class the adapter builds its layer from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kda_impl.weights
+from conformance.adapters import kda_impl_adapter
+from conformance.adapters.kda_impl_adapter import KDACarry, KDAImplAdapter
+from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
+from kda_impl.layers.short_conv import short_conv_with_state
+from kda_impl.models.kimi_linear import KimiDeltaAttention
+from tests.conformance.numpy_adapter import NumpyAdapter
+
+
+class _FlippedDecay(KimiDeltaAttention):
+    def _decay(self, x: jax.Array) -> jax.Array:
+        return -super()._decay(x)
+
+
+class FlippedGate(KDAImplAdapter):
+    name = "broken: decay gate sign flipped"
+
+    def __init__(self, config, weights, dtype, kernel="auto"):
+        with mock.patch.object(kda_impl.weights, "KimiDeltaAttention", _FlippedDecay):
+            super().__init__(config, weights, dtype, kernel)
+
+
+@jax.tree_util.register_pytree_node_class
+class _LeakyConvBackend(KDAAttnBackend):
+    def apply_short_conv(self, layer, forward_batch, mixed_qkv, conv_weight, recurrent_state_pool):
+        _, new_state = super().apply_short_conv(
+            layer, forward_batch, mixed_qkv, conv_weight, recurrent_state_pool
+        )
+        # The packed batch convolved as one sequence: each sequence sees the tail of the one before.
+        no_state = jnp.zeros((1, conv_weight.shape[0] - 1, mixed_qkv.shape[1]), mixed_qkv.dtype)
+        leaked, _ = short_conv_with_state(
+            mixed_qkv, conv_weight, no_state, jnp.array([0, mixed_qkv.shape[0]], jnp.int32)
+        )
+        return leaked, new_state
+
+
+class LeakyConv(KDAImplAdapter):
+    name = "broken: conv leaks across sequences"
+
+    def __init__(self, config, weights, dtype, kernel="auto"):
+        with mock.patch.object(kda_impl_adapter, "KDAAttnBackend", _LeakyConvBackend):
+            super().__init__(config, weights, dtype, kernel)
+
+
+class DecodeDropsConvState(KDAImplAdapter):
+    name = "broken: decode forgets the conv state"
+
+    def layer_decode(self, hidden_states: np.ndarray, carry: KDACarry):
+        return super().layer_decode(
+            hidden_states, dataclasses.replace(carry, conv=jnp.zeros_like(carry.conv))
+        )
+
+
+class OutputOffset(KDAImplAdapter):
+    name = "broken: output off by 1e-4"
+
+    def layer_extend(self, *args, **kwargs):
+        return self._offset(super().layer_extend(*args, **kwargs))
+
+    def layer_decode(self, *args, **kwargs):
+        return self._offset(super().layer_decode(*args, **kwargs))
+
+    @staticmethod
+    def _offset(result):
+        result.out = result.out + np.float32(1e-4)
+        return result
+
+
+class NumpyFlippedGate(NumpyAdapter):
+    """The gate bug in the numpy reference: no compilation, for the quick command-line tests."""
+
+    name = "broken: decay gate sign flipped (numpy)"
+
+    def gate(self, f: np.ndarray) -> np.ndarray:
+        return -super().gate(f)
+
+    def forward(self, x, cu_seqlens, carry):
+        with np.errstate(over="ignore", invalid="ignore"):  # the state blows up, as it would
+            return super().forward(x, cu_seqlens, carry)

@@ -1,0 +1,132 @@
+"""Small synthetic dump sets (format v1) written with the numpy reference, for the conformance tests."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+
+from conformance import dump_format as fmt
+from kda_impl.config import KDAConfig
+from tests.conformance.numpy_adapter import NumpyAdapter, l2norm
+
+TINY = KDAConfig(hidden_size=32, num_heads=2, head_dim=8, conv_size=4, rms_norm_eps=1e-5, preset="tiny")
+
+
+def tiny_weights(config: KDAConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, shape in fmt.weight_shapes(config.to_manifest()).items():
+        if name.endswith("conv1d.weight"):
+            weights[name] = rng.normal(0, 0.5, shape)
+        elif name == "A_log":
+            weights[name] = np.log(rng.uniform(1, 4, shape))
+        elif name == "dt_bias":
+            weights[name] = rng.normal(-2, 0.5, shape)
+        elif name == "o_norm.weight":
+            weights[name] = 1 + rng.normal(0, 0.1, shape)
+        else:
+            weights[name] = rng.normal(0, shape[-1] ** -0.5, shape)
+    return {name: np.asarray(w, np.float32) for name, w in weights.items()}
+
+
+def _store(array: np.ndarray, name: str, dtype: str) -> np.ndarray:
+    if dtype == "bf16" and name not in fmt.FP32_IN_BF16_RUN:
+        return fmt.float32_to_bf16_bits(array)
+    return np.asarray(array, np.float32)
+
+
+def case_arrays(
+    spec: fmt.CaseSpec,
+    config: KDAConfig,
+    weights: dict[str, np.ndarray],
+    rng: np.random.Generator,
+    dtypes: tuple[str, ...],
+    intermediates: bool,
+) -> dict[str, np.ndarray]:
+    tokens, num_seqs = spec.total_tokens, len(spec.seq_lens)
+    x = rng.normal(0, 1, (tokens, config.hidden_size)).astype(np.float32)
+    cu = np.concatenate([[0], np.cumsum(spec.seq_lens)]).astype(np.int32)
+    arrays = {"hidden_states": x, "cu_seqlens": cu}
+    init = None
+    if spec.initial_state:
+        shape = (num_seqs, config.num_heads, config.head_dim, config.head_dim)
+        init = arrays["initial_recurrent_state"] = rng.normal(0, 0.1, shape).astype(np.float32)
+    for dtype in dtypes:
+        adapter = NumpyAdapter(config, weights, dtype)
+        result = adapter.layer_extend(x, cu, init)
+        arrays[fmt.result_key("out", dtype)] = _store(result.out, "out", dtype)
+        inter = result.intermediates
+        kernel_inputs = (
+            l2norm(inter["q_after_conv"]),
+            l2norm(inter["k_after_conv"]),
+            inter["v_after_conv"],
+            inter["g"],
+            inter["beta"],
+            cu,
+            init,
+        )
+        for path in ("chunk", "fused_recurrent"):
+            o, state = adapter.chunk_kernel(*kernel_inputs)
+            arrays[fmt.result_key(f"o_kda_{path}", dtype)] = _store(o, f"o_kda_{path}", dtype)
+            arrays[fmt.result_key(f"recurrent_state_{path}", dtype)] = state
+        if intermediates:
+            for name in fmt.INTERMEDIATE_KEYS:
+                arrays[fmt.result_key(name, dtype)] = _store(inter[name], name, dtype)
+    return arrays
+
+
+def write_dump_set(
+    root: Path,
+    cases: tuple[str, ...],
+    *,
+    config: KDAConfig = TINY,
+    seed: int = 0,
+    dtypes: tuple[str, ...] = fmt.DTYPES,
+    intermediates: bool = True,
+) -> Path:
+    """Write a v1 dump set of the standard `cases` under `root`, computed by the numpy reference."""
+    root = Path(root)
+    (root / fmt.CASES_DIR).mkdir(parents=True, exist_ok=True)
+    weights = tiny_weights(config, seed)
+    manifest_cases = []
+    rng = np.random.default_rng(seed)
+    for spec in fmt.select_cases(list(cases)):
+        arrays = case_arrays(spec, config, weights, rng, dtypes, intermediates)
+        manifest_cases.append(
+            {
+                "id": spec.case_id,
+                "file": spec.file,
+                "sha256": _write_npz(root / spec.file, arrays),
+                "seq_lens": list(spec.seq_lens),
+                "initial_state": spec.initial_state,
+                "layer_kernel_path": "chunk",
+                "keys": sorted(arrays),
+            }
+        )
+    manifest = {
+        "format": fmt.FORMAT_NAME,
+        "version": fmt.FORMAT_VERSION,
+        "config": config.to_manifest(),
+        "reference": {"name": "numpy-reference", "versions": {"numpy": np.__version__}, "device": "cpu"},
+        "seed": seed,
+        "weights": {
+            "file": fmt.WEIGHTS_FILE,
+            "sha256": _write_npz(root / fmt.WEIGHTS_FILE, weights),
+            "source": "synthetic",
+        },
+        "created": "2026-11-30T00:00:00Z",
+        "generator": "tests.conformance.synthetic",
+        "cases": manifest_cases,
+    }
+    (root / fmt.MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+    return root
+
+
+def _write_npz(path: Path, arrays: dict[str, np.ndarray]) -> str:
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    path.write_bytes(buffer.getvalue())
+    return fmt.sha256_bytes(buffer.getvalue())

@@ -1,0 +1,85 @@
+"""The suite can fail: each deliberately broken kda_impl fails, on golden, the checks that cover its bug."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conformance.checks import CheckRunner, CheckSkipped, CheckSpec, plan
+from conformance.gate import breaches
+from conformance.metrics import Comparison
+from conformance.reader import DumpSet
+from conformance.report import Record, build_report
+from conformance.tolerances import TolerancePolicy
+from tests.conformance import broken_adapters
+from tests.conformance.numpy_adapter import NumpyAdapter
+
+GOLDEN = Path(__file__).resolve().parents[2] / "golden"
+
+# adapter → (case, dtype) → (checks that must fail, checks that must still hold)
+EXPECTATIONS = {
+    broken_adapters.FlippedGate: (
+        ("T65", "fp32"),
+        {"layer", "layer-state", "g", "o_norm", "decode-k8", "chunked-prefill"},
+        {"kernel-chunk", "q_after_conv", "beta", "g_out"},
+    ),
+    broken_adapters.LeakyConv: (
+        ("varlen_unbalanced_5_17_1_41", "bf16"),
+        {"layer", "q_after_conv", "k_after_conv", "v_after_conv", "o_norm", "decode-k8"},
+        {"g", "beta", "g_out"},
+    ),
+    broken_adapters.DecodeDropsConvState: (
+        ("T65", "bf16"),
+        {"decode-k1", "decode-k1-self", "decode-k8", "decode-k8-self"},
+        {"layer", "layer-state", "chunked-prefill"},
+    ),
+    broken_adapters.OutputOffset: (
+        ("varlen_initstate", "fp32"),
+        {"layer", "decode-k1", "decode-k8"},
+        {"o_norm", "layer-state", "decode-k8-self"},
+    ),
+}
+
+
+def _comparisons(adapter_class: type, case: str, dtype: str, checks: set[str]) -> dict[CheckSpec, Comparison]:
+    runner = CheckRunner(DumpSet(str(GOLDEN)), adapter_class, "auto", TolerancePolicy.load())
+    return {spec: runner.run(spec) for spec in (CheckSpec(case, dtype, check) for check in sorted(checks))}
+
+
+@pytest.mark.parametrize("adapter_class", list(EXPECTATIONS), ids=lambda cls: cls.__name__)
+def test_broken_adapter_fails_the_matching_checks_and_the_gate(adapter_class: type) -> None:
+    (case, dtype), must_fail, must_hold = EXPECTATIONS[adapter_class]
+    comparisons = _comparisons(adapter_class, case, dtype, must_fail | must_hold)
+    verdicts = {spec.check: c.passed for spec, c in comparisons.items()}
+    assert {check for check in must_fail if verdicts[check]} == set(), "broken checks that still passed"
+    assert {check for check in must_hold if not verdicts[check]} == set(), "unrelated checks that failed"
+    records = [
+        Record(spec, "passed" if c.passed else "failed", c.summary(), 0.0, c)
+        for spec, c in comparisons.items()
+    ]
+    found = breaches(build_report(records, {}, close_margin=0.5))
+    assert sorted(line.split(":")[0] for line in found) == sorted(
+        f"{case}-{dtype}-{check}" for check in must_fail
+    )
+
+
+def test_output_offset_is_below_bf16_resolution() -> None:
+    (comparison,) = _comparisons(broken_adapters.OutputOffset, "T65", "bf16", {"layer"}).values()
+    assert comparison.passed
+
+
+def test_reference_adapter_passes_every_check(synthetic_dumps: Path) -> None:
+    dumps = DumpSet(str(synthetic_dumps))
+    runner = CheckRunner(dumps, NumpyAdapter, "auto", TolerancePolicy.load())
+
+    failed, ran = [], 0
+    for spec in plan(dumps, dumps.case_ids(), ["fp32", "bf16"]):
+        try:
+            comparison = runner.run(spec)
+        except CheckSkipped:
+            continue
+        ran += 1
+        if not comparison.passed:
+            failed.append(f"{spec.id}: {comparison.summary()}")
+    assert failed == [] and ran > 150

@@ -1,0 +1,44 @@
+"""The built-in adapter holds on the committed golden set: a representative subset (`make conform`: all)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conformance.adapters.kda_impl_adapter import KDAImplAdapter
+from conformance.checks import CheckRunner, CheckSkipped, plan
+from conformance.reader import DumpSet
+from conformance.tolerances import TolerancePolicy
+
+GOLDEN = Path(__file__).resolve().parents[2] / "golden"
+# One token; one chunk plus one token; a packed batch of uneven sequences with initial states.
+CASES = ["T1", "T65", "varlen_initstate"]
+
+
+def test_kda_impl_holds_on_golden() -> None:
+    dumps = DumpSet(str(GOLDEN))
+    runner = CheckRunner(dumps, KDAImplAdapter, "auto", TolerancePolicy.load())
+    failed, skipped, passed = [], set(), 0
+    for spec in plan(dumps, CASES, ["fp32", "bf16"]):
+        try:
+            comparison = runner.run(spec)
+        except CheckSkipped:
+            skipped.add(spec.id)
+            continue
+        if comparison.passed:
+            passed += 1
+        else:
+            failed.append(f"{spec.id}: {comparison.summary()}")
+    assert failed == []
+    # Only what cannot run: nothing to decode or split in T1, no chunked prefill with a 1-token sequence.
+    expected_skips = {
+        f"{case}-{dtype}-{check}"
+        for dtype in ("fp32", "bf16")
+        for case, checks in {
+            "T1": [f"decode-{k}{s}" for k in ("k1", "k8", "all") for s in ("", "-self")]
+            + ["chunked-prefill", "chunked-prefill-state"],
+            "varlen_initstate": ["chunked-prefill", "chunked-prefill-state"],
+        }.items()
+        for check in checks
+    }
+    assert skipped == expected_skips
+    assert passed == len(plan(dumps, CASES, ["fp32", "bf16"])) - len(expected_skips)
