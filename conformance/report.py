@@ -84,7 +84,7 @@ def build_report(records: list[Record], meta: dict[str, Any], close_margin: floa
     return {
         "format": REPORT_FORMAT,
         "version": REPORT_VERSION,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         **meta,
         "summary": summary_counts(records, close_margin),
         "checks": [record.as_dict(close_margin) for record in records],

@@ -160,7 +160,7 @@ def generate(
         "reference": {"name": reference.name, **reference.describe(), "kernel_keys": kernels.name},
         "seed": seed,
         "weights": {"file": WEIGHTS_FILE, "sha256": weights_sha, "source": weights_source},
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "generator": generator_name(),
         "cases": entries,
     }
