@@ -10,6 +10,9 @@ import hashlib
 
 import numpy as np
 
+from kda_impl.config import KDAConfig
+from kda_impl.hf_names import hf_weight_shapes
+
 FORMAT_NAME = "kda-dump"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -118,30 +121,8 @@ def expected_shape(name: str, *, tokens: int, num_seqs: int, config: dict) -> tu
 
 # Weight names (HF checkpoint names without the `model.layers.{i}.self_attn.` prefix), torch layout.
 def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    hidden, heads, dim, width = (
-        config["hidden_size"],
-        config["num_heads"],
-        config["head_dim"],
-        config["conv_size"],
-    )
-    proj = heads * dim
-    return {
-        "q_proj.weight": (proj, hidden),
-        "k_proj.weight": (proj, hidden),
-        "v_proj.weight": (proj, hidden),
-        "q_conv1d.weight": (proj, 1, width),
-        "k_conv1d.weight": (proj, 1, width),
-        "v_conv1d.weight": (proj, 1, width),
-        "f_a_proj.weight": (dim, hidden),
-        "f_b_proj.weight": (proj, dim),
-        "A_log": (1, 1, heads, 1),
-        "dt_bias": (proj,),
-        "b_proj.weight": (heads, hidden),
-        "g_a_proj.weight": (dim, hidden),
-        "g_b_proj.weight": (proj, dim),
-        "o_norm.weight": (dim,),
-        "o_proj.weight": (hidden, proj),
-    }
+    """weights.npz's keys and shapes for a manifest `config` block (the HF names of one KDA layer)."""
+    return hf_weight_shapes(KDAConfig.from_manifest(config))
 
 
 # --- bf16 bit encoding: a uint16 array holds raw bfloat16 bits -------------------------------------
