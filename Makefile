@@ -49,12 +49,15 @@ golden: $(VENV)/.full
 conform-full: $(VENV)/.full
 	$(PY) -m dump_gen --out dumps/kimi-linear-48b-a3b --preset kimi-linear-48b-a3b --reference transformers --device cpu
 	$(PY) -m conformance run --dumps dumps/kimi-linear-48b-a3b --report-dir $(REPORT_DIR)/full-tp1
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m conformance run \
+		--dumps dumps/kimi-linear-48b-a3b --tp 4 --report-dir $(REPORT_DIR)/full-tp4
 
 lint: $(VENV)/.full
 	pre-commit run --all-files
 
 bench: $(VENV)/.full
 	$(PY) -m benchmarks.bench_kernels
+	$(PY) -m benchmarks.bench_layer
 
 clean-venv:
 	rm -rf $(VENV)

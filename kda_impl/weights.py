@@ -20,7 +20,8 @@ from safetensors import safe_open
 
 from kda_impl.config import KDAConfig
 from kda_impl.hf_names import FP32_WEIGHTS, hf_weight_shapes, layer_prefix
-from kda_impl.models.kimi_linear import KimiDeltaAttention
+from kda_impl.models.kimi_linear import PARAM_SPECS, KimiDeltaAttention
+from kda_impl.parallel.mesh import put
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -67,7 +68,8 @@ def load_layer_weights(
     weights: Mapping[str, np.ndarray],
     source: str = "the weights dict",
 ) -> None:
-    """Copy HF-named weights of layer `module.layer_idx` into `module` (in place).
+    """Copy HF-named weights of layer `module.layer_idx` into `module` (in place), each laid out on the
+    module's mesh as `PARAM_SPECS` says (in a multi-process run every process passes the same weights).
 
     Keys may carry the `model.layers.{i}.self_attn.` prefix: keys of other layers are then ignored.
     Raises KeyError naming a missing key and `source`, ValueError on a wrong shape or an unknown key.
@@ -89,7 +91,8 @@ def load_layer_weights(
         for attr in path:
             param = getattr(param, attr)
         dtype = jnp.float32 if name in FP32_WEIGHTS else module.dtype
-        param.set_value(jnp.asarray(to_jax(np.asarray(layer[name]), param.shape), dtype))
+        value = to_jax(np.asarray(layer[name]), param.shape).astype(dtype)
+        param.set_value(put(value, module.mesh, PARAM_SPECS[path]))
 
 
 def read_checkpoint_layer(

@@ -4,12 +4,17 @@
 in a `RecurrentStatePool`: every call allocates one slot per sequence, writes the sequence's starting
 state into it, runs the jitted forward (pool donated; one compilation per batch bucket), reads the new
 states back into the carry and frees the slots.
+
+The layer runs on a mesh of `tp` x `dp` devices (`$KDA_TP`, `$KDA_DP`, default 1; `python -m conformance
+run --tp N --dp M` sets them): heads split over `tensor`, and the sequences of each call dealt out
+round-robin to the data ranks, each on its own slots. The report's `describe` records the mesh.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -26,14 +31,23 @@ from kda_impl.model_executor.forward_batch import (
     MIN_REQUEST_BUCKET,
     ForwardMode,
     bucket,
-    make_forward_batch,
-    pad_rows,
+    make_dp_forward_batch,
     seq_lens_from_cu_seqlens,
 )
 from kda_impl.models.kimi_linear import jit_forward
+from kda_impl.parallel import make_mesh, mesh_sizes
 from kda_impl.weights import layer_from_hf_weights
 
 RUN_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+TP_ENV, DP_ENV = "KDA_TP", "KDA_DP"
+
+
+def mesh_size_from_env(name: str) -> int:
+    """A positive mesh size from the environment variable `name` (1 when unset)."""
+    text = os.environ.get(name, "1")
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"${name}={text!r} must be a positive integer")
+    return int(text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +55,7 @@ class KDACarry:
     """The states of N sequences after a call, to continue them (chunked prefill or decode)."""
 
     recurrent: jax.Array  # [N, H, D, D] fp32
-    conv: jax.Array  # [N, W-1, 3P] in the run dtype
+    conv: jax.Array  # [N, W-1, 3, P] in the run dtype
 
     @property
     def num_seqs(self) -> int:
@@ -49,20 +63,33 @@ class KDACarry:
 
 
 class KDAImplAdapter(KDAAdapter):
-    """kda_impl under test; `kernel` is 'auto' (the dispatcher's choice), 'naive' or 'pallas'."""
+    """kda_impl under test; `kernel` is 'auto' (the dispatcher's choice), 'naive' or 'pallas'; `tp` and
+    `dp` the mesh (default: `$KDA_TP`, `$KDA_DP`, else 1)."""
 
     name = "kda_impl"
 
-    def __init__(self, config: KDAConfig, weights: dict[str, np.ndarray], dtype: str, kernel: str = "auto"):
+    def __init__(
+        self,
+        config: KDAConfig,
+        weights: dict[str, np.ndarray],
+        dtype: str,
+        kernel: str = "auto",
+        tp: int | None = None,
+        dp: int | None = None,
+    ):
         super().__init__(config, weights, dtype, kernel)
         if dtype not in RUN_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(RUN_DTYPES)}, got {dtype!r}")
         self._run_dtype = RUN_DTYPES[dtype]
         self._kernel = None if kernel == "auto" else kernel
+        self._mesh = make_mesh(
+            tp=mesh_size_from_env(TP_ENV) if tp is None else tp,
+            dp=mesh_size_from_env(DP_ENV) if dp is None else dp,
+        )
         # The first KDA layer of the model (layer 0 when the config lists none, as a dump's does).
         self._layer_idx = min((i - 1 for i in config.kda_layers), default=0)
         module = layer_from_hf_weights(
-            config, self._layer_idx, weights, self._run_dtype, source="the dump's weights"
+            config, self._layer_idx, weights, self._run_dtype, self._mesh, source="the dump's weights"
         )
         self._backend = KDAAttnBackend(kernel=self._kernel)
         self._forward = jit_forward(module, return_intermediates=True)
@@ -77,11 +104,13 @@ class KDAImplAdapter(KDAAdapter):
         return self._backend.kernel_used
 
     def describe(self) -> dict[str, Any]:
+        dp, tp = mesh_sizes(self._mesh)
         return {
             "jax": jax.__version__,
             "device": str(jax.devices()[0]),
             "kernel": self.kernel_used,
             "layer_idx": self._layer_idx,
+            "mesh": {"tp": tp, "dp": dp, "devices": self._mesh.size, "processes": jax.process_count()},
         }
 
     # --- layer ----------------------------------------------------------------------------------------
@@ -104,9 +133,10 @@ class KDAImplAdapter(KDAAdapter):
                     f"initial_state must be [N, H, D, D]={expected} for the {num_seqs} sequences of "
                     f"cu_seqlens, got {initial_state.shape}"
                 )
+            conv_shape = (num_seqs, self.config.conv_size - 1, 3, self.config.proj_dim)
             carry = KDACarry(
                 recurrent=jnp.asarray(initial_state, jnp.float32),
-                conv=jnp.zeros((num_seqs, self.config.conv_size - 1, self.config.conv_dim), self._run_dtype),
+                conv=jnp.zeros(conv_shape, self._run_dtype),
             )
         self._check_carry(carry, num_seqs)
         return self._run(ForwardMode.EXTEND, hidden_states, seq_lens, carry)
@@ -132,43 +162,59 @@ class KDAImplAdapter(KDAAdapter):
         seq_lens: np.ndarray,  # [N]
         carry: KDACarry | None,
     ) -> LayerResult:
-        num_seqs, num_real = seq_lens.size, int(seq_lens.sum())
-        pool = self._pool_with_room(num_seqs)
-        slots = pool.alloc(num_seqs)  # zeroed: fresh sequences start from zeros
+        dp, _ = mesh_sizes(self._mesh)
+        num_seqs = seq_lens.size
+        ranks = [np.arange(rank, num_seqs, dp) for rank in range(dp)]  # sequences dealt round-robin
+        pool = self._pool_with_room(max(seqs.size for seqs in ranks))
+        slots = [pool.alloc(seqs.size, dp_rank=rank) for rank, seqs in enumerate(ranks)]  # zeroed
         try:
+            batch = make_dp_forward_batch(
+                self._backend,
+                mode,
+                [seq_lens[seqs] for seqs in ranks],
+                [pool.get_recurrent_indices(rank_slots, rank) for rank, rank_slots in enumerate(slots)],
+            )
+            # Each sequence's pool row, and each token's row of the batch, in the caller's order.
+            pool_rows = np.empty(num_seqs, np.int32)
+            token_rows = np.empty(int(seq_lens.sum()), np.int64)
+            starts = np.cumsum(seq_lens) - seq_lens
+            for rank, seqs in enumerate(ranks):
+                pool_rows[seqs] = pool.rows(slots[rank], rank)
+                for seq, rows in zip(seqs, batch.request_rows(rank, seq_lens[seqs])):
+                    token_rows[starts[seq] : starts[seq] + seq_lens[seq]] = rows
             if carry is not None:
                 pool = pool.set_linear_recurrent_layer_cache(
-                    self._layer_idx, jnp.asarray(slots), carry.recurrent, carry.conv
+                    self._layer_idx, jnp.asarray(pool_rows), carry.recurrent, carry.conv
                 )
-            batch = make_forward_batch(self._backend, mode, seq_lens, pool.get_recurrent_indices(slots))
-            x = jnp.asarray(
-                pad_rows(np.asarray(hidden_states, np.float32), batch.num_tokens), self._run_dtype
-            )
-            out, pool, intermediates = self._forward(x, batch, pool)
+            x = np.zeros((batch.num_tokens, self.config.hidden_size), np.float32)
+            x[token_rows] = hidden_states
+            out, pool, intermediates = self._forward(x.astype(self._run_dtype), batch, pool)
             recurrent, conv = pool.get_linear_recurrent_layer_cache(self._layer_idx)
-            new_carry = KDACarry(recurrent=recurrent[slots], conv=conv[slots])
+            new_carry = KDACarry(recurrent=recurrent[pool_rows], conv=conv[pool_rows])
         except BaseException:
             self._pool = None  # its buffers may have been donated to the failed call: start afresh
             raise
-        pool.free(slots)
+        for rank, rank_slots in enumerate(slots):
+            pool.free(rank_slots, rank)
         self._pool = pool
-        named = {name: _to_numpy(value[:num_real]) for name, value in intermediates.items()}
-        named["final_conv_state"] = _to_numpy(new_carry.conv)
+        named = {name: _to_numpy(value)[token_rows] for name, value in intermediates.items()}
+        named["final_conv_state"] = _to_numpy(new_carry.conv).reshape(num_seqs, self.config.conv_size - 1, -1)
         return LayerResult(
-            out=_to_numpy(out[:num_real]),
+            out=_to_numpy(out)[token_rows],
             final_state=_to_numpy(new_carry.recurrent),
             carry=new_carry,
             intermediates=named,
         )
 
     def _pool_with_room(self, num_seqs: int) -> RecurrentStatePool:
-        """The adapter's pool, rebuilt larger (a power of two) when `num_seqs` slots do not fit."""
+        """The adapter's pool, rebuilt larger (a power of two) when `num_seqs` slots per rank do not fit."""
         if self._pool is None or self._pool.num_slots < num_seqs:
             self._pool = RecurrentStatePool.create(
                 self.config,
                 bucket(num_seqs, MIN_REQUEST_BUCKET),
                 self._run_dtype,
                 layer_ids=(self._layer_idx,),
+                mesh=self._mesh,
             )
         return self._pool
 

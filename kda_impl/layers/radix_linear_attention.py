@@ -1,7 +1,8 @@
 """`RadixLinearAttention`: the layer → backend dispatch entry of linear-recurrent layers (RFC §4.3.0).
 
 It holds the layer's attention metadata (id, heads, dims, scale) and forwards to
-`forward_batch.attn_backend`, which owns the state I/O and the ForwardMode dispatch.
+`forward_batch.attn_backend`, which owns the state I/O and the ForwardMode dispatch. Under tensor
+parallelism `num_heads` is the heads of one tensor shard, as the arrays it is called with carry.
 """
 
 from __future__ import annotations

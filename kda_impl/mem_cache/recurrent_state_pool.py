@@ -1,8 +1,12 @@
 """Per-request recurrent and conv states of every KDA layer, in slots (RFC §4.5).
 
 The buffers are pytree children, so a jitted forward takes the pool as a (donated) argument and returns
-the updated one. Slot bookkeeping (`alloc` / `free`) is host-side: an allocator shared by every
-functional copy of the pool (it is the pool's static aux data).
+the updated one. Slot bookkeeping (`alloc` / `free`) is host-side: one allocator per data rank, shared by
+every functional copy of the pool (they are the pool's static aux data).
+
+On a mesh (`kda_impl.parallel`) the buffers are sharded along heads over `tensor` and along slots over
+`data`: data rank r owns the rows `r * (num_slots + 1) + [0, num_slots]`, row 0 of its block being its
+own dummy slot. Inside the layer's `shard_map` each device sees one block with the rank's local slots.
 """
 
 from __future__ import annotations
@@ -14,10 +18,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kda_impl.config import KDAConfig
+from kda_impl.parallel.mesh import DATA_AXIS, TENSOR_AXIS, check_heads_divisible, mesh_sizes
 
 DUMMY_SLOT = 0  # reserved for padding / idle requests; never handed out by `alloc`
+# Layouts of the buffers on a mesh: slots over `data`, heads (or head-major channels) over `tensor`.
+RECURRENT_SPEC = PartitionSpec(None, DATA_AXIS, TENSOR_AXIS, None, None)  # [L, slots, H, K, V]
+CONV_SPEC = PartitionSpec(None, DATA_AXIS, None, None, TENSOR_AXIS)  # [L, slots, W-1, 3, P]
 
 
 class PoolExhaustedError(RuntimeError):
@@ -72,26 +81,29 @@ def check_slot_range(slot: int, num_slots: int) -> None:
 class RecurrentStatePool:
     """Recurrent + conv state buffers of the KDA layers `layer_ids`, one slot per live request.
 
-    recurrent_buffer: `[L, slots+1, H, D, D]` fp32.
-    conv_buffer: `[L, slots+1, W-1, 3P]` in the run's dtype; channels are q | k | v.
-    Slot 0 is the dummy slot (padding and idle requests); a slot is zeroed when allocated.
+    recurrent_buffer: `[L, dp * (slots+1), H, D, D]` fp32.
+    conv_buffer: `[L, dp * (slots+1), W-1, 3, P]` in the run's dtype: the last W-1 inputs of the q, k
+    and v convs, `P = H * D` head-major channels each (so that heads can be split across devices).
+    Each data rank's slot 0 is its dummy slot (padding and idle requests); a slot is zeroed when allocated.
 
-    Host-side methods (`alloc`, `free`, `get_recurrent_indices`) run outside `jit`; `alloc` rebinds this
-    object's buffers (after a donated forward, call it on the returned pool). The layer-cache methods
-    are functional and jit-friendly.
+    Host-side methods (`alloc`, `free`, `get_recurrent_indices`, `rows`) run outside `jit` and take the
+    data rank of the request (0 without data parallelism); `alloc` rebinds this object's buffers (after a
+    donated forward, call it on the returned pool). The layer-cache methods are functional and
+    jit-friendly; their slot indices are rows of the buffers as the caller sees them: the rank's local
+    slots inside the sharded forward, `rows(slots, dp_rank)` outside it.
     """
 
     def __init__(
         self,
-        recurrent_buffer: jax.Array,  # [L, slots+1, H, D, D] fp32
-        conv_buffer: jax.Array,  # [L, slots+1, W-1, 3P]
+        recurrent_buffer: jax.Array,  # [L, dp * (slots+1), H, D, D] fp32
+        conv_buffer: jax.Array,  # [L, dp * (slots+1), W-1, 3, P]
         layer_ids: tuple[int, ...],
-        allocator: SlotAllocator,
+        allocators: tuple[SlotAllocator, ...],  # one per data rank
     ):
         self.recurrent_buffer = recurrent_buffer
         self.conv_buffer = conv_buffer
         self.layer_ids = layer_ids
-        self.allocator = allocator
+        self.allocators = allocators
 
     @classmethod
     def create(
@@ -100,10 +112,12 @@ class RecurrentStatePool:
         num_slots: int,
         dtype: Any = jnp.float32,
         layer_ids: Sequence[int] | None = None,
+        mesh: Mesh | None = None,
     ) -> RecurrentStatePool:
-        """Zeroed buffers for `num_slots` requests of the (0-based) KDA layers `layer_ids`.
+        """Zeroed buffers for `num_slots` requests per data rank of the (0-based) KDA layers `layer_ids`.
 
-        `layer_ids` defaults to the config's KDA layers.
+        `layer_ids` defaults to the config's KDA layers. With a `mesh`, the buffers are created sharded
+        (`RECURRENT_SPEC`, `CONV_SPEC`), one block of slots per data rank.
         """
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -117,58 +131,110 @@ class RecurrentStatePool:
         layer_ids = tuple(int(i) for i in layer_ids)
         if len(set(layer_ids)) != len(layer_ids):
             raise ValueError(f"layer_ids {layer_ids} repeat a layer")
+        dp, tp = (1, 1) if mesh is None else mesh_sizes(mesh)
+        check_heads_divisible(config.num_heads, tp)
         num_layers, h, d = len(layer_ids), config.num_heads, config.head_dim
-        recurrent = jnp.zeros((num_layers, num_slots + 1, h, d, d), jnp.float32)
-        conv = jnp.zeros((num_layers, num_slots + 1, config.conv_size - 1, config.conv_dim), dtype)
-        return cls(recurrent, conv, layer_ids, SlotAllocator(num_slots))
+        rows = dp * (num_slots + 1)
+        recurrent_shape = (num_layers, rows, h, d, d)
+        conv_shape = (num_layers, rows, config.conv_size - 1, 3, config.proj_dim)
+
+        def zeros() -> tuple[jax.Array, jax.Array]:
+            return jnp.zeros(recurrent_shape, jnp.float32), jnp.zeros(conv_shape, dtype)
+
+        if mesh is None:
+            recurrent, conv = zeros()
+        else:
+            shardings = (NamedSharding(mesh, RECURRENT_SPEC), NamedSharding(mesh, CONV_SPEC))
+            recurrent, conv = jax.jit(zeros, out_shardings=shardings)()
+        allocators = tuple(SlotAllocator(num_slots) for _ in range(dp))
+        return cls(recurrent, conv, layer_ids, allocators)
+
+    def partition_specs(self) -> RecurrentStatePool:
+        """This pool's tree with the `PartitionSpec` of each buffer (for `shard_map`)."""
+        return RecurrentStatePool(RECURRENT_SPEC, CONV_SPEC, self.layer_ids, self.allocators)
 
     # --- pytree -------------------------------------------------------------------------------------
 
-    def tree_flatten(self) -> tuple[tuple[jax.Array, jax.Array], tuple[tuple[int, ...], SlotAllocator]]:
-        return (self.recurrent_buffer, self.conv_buffer), (self.layer_ids, self.allocator)
+    def tree_flatten(
+        self,
+    ) -> tuple[tuple[jax.Array, jax.Array], tuple[tuple[int, ...], tuple[SlotAllocator, ...]]]:
+        return (self.recurrent_buffer, self.conv_buffer), (self.layer_ids, self.allocators)
 
     @classmethod
     def tree_unflatten(
-        cls, aux: tuple[tuple[int, ...], SlotAllocator], children: tuple
+        cls, aux: tuple[tuple[int, ...], tuple[SlotAllocator, ...]], children: tuple
     ) -> RecurrentStatePool:
         return cls(*children, *aux)
+
+    def replace(self, **buffers: jax.Array) -> RecurrentStatePool:
+        """A pool sharing the layers and allocators, with `recurrent_buffer` and/or `conv_buffer` replaced."""
+        unknown = sorted(set(buffers) - {"recurrent_buffer", "conv_buffer"})
+        if unknown:
+            raise TypeError(f"a pool has no buffer(s) {unknown}")
+        recurrent = buffers.get("recurrent_buffer", self.recurrent_buffer)
+        conv = buffers.get("conv_buffer", self.conv_buffer)
+        return RecurrentStatePool(recurrent, conv, self.layer_ids, self.allocators)
 
     # --- host-side slot bookkeeping -----------------------------------------------------------------
 
     @property
     def num_slots(self) -> int:
-        """Real slots (1..num_slots); the buffers have one more row, the dummy slot 0."""
-        return self.allocator.num_slots
+        """Real slots per data rank (1..num_slots); each rank's block has one more row, its dummy slot 0."""
+        return self.allocators[0].num_slots
 
-    def alloc(self, n: int) -> np.ndarray:
-        """Reserve `n` free slots, zero their states in every layer, and return them as i32[n]."""
-        slots = self.allocator.alloc(n)
+    @property
+    def dp_size(self) -> int:
+        """Data ranks: blocks of `num_slots + 1` rows along the slot axis."""
+        return len(self.allocators)
+
+    def alloc(self, n: int, dp_rank: int = 0) -> np.ndarray:
+        """Reserve `n` free slots of data rank `dp_rank`, zero their states in every layer, and return
+        them as i32[n] (slot numbers local to the rank)."""
+        slots = self._allocator(dp_rank).alloc(n)
         if n:
-            # Pad the ids to a power of two with the dummy slot: one compilation per size class.
+            # Pad the rows to a power of two with the rank's dummy slot: one compilation per size class.
             padded = np.full(1 << (n - 1).bit_length(), DUMMY_SLOT, np.int32)
             padded[:n] = slots
             self.recurrent_buffer, self.conv_buffer = _zero_slots(
-                self.recurrent_buffer, self.conv_buffer, jnp.asarray(padded)
+                self.recurrent_buffer, self.conv_buffer, self.rows(padded, dp_rank)
             )
         return slots
 
-    def free(self, slots: Sequence[int] | np.ndarray) -> None:
-        """Return `slots` to the free list (ValueError on an out-of-range, unallocated or repeated slot)."""
-        self.allocator.free(slots)
+    def free(self, slots: Sequence[int] | np.ndarray, dp_rank: int = 0) -> None:
+        """Return `slots` of data rank `dp_rank` to its free list (ValueError on an out-of-range,
+        unallocated or repeated slot)."""
+        self._allocator(dp_rank).free(slots)
 
-    def get_recurrent_indices(self, req_pool_indices: Sequence[int] | np.ndarray) -> np.ndarray:
-        """The pool slots `i32[N]` of the requests holding slots `req_pool_indices` (slot = request index).
+    def get_recurrent_indices(
+        self, req_pool_indices: Sequence[int] | np.ndarray, dp_rank: int = 0
+    ) -> np.ndarray:
+        """The pool slots `i32[N]` of the requests holding slots `req_pool_indices` (slot = request index)
+        of data rank `dp_rank`.
 
         ValueError naming the slot when one is out of range or not allocated.
         """
+        allocator = self._allocator(dp_rank)
         slots = np.asarray(req_pool_indices)
         if slots.ndim != 1 or not np.issubdtype(slots.dtype, np.integer):
             raise ValueError(f"req_pool_indices must be a 1-D list of integers, got {slots!r}")
         for slot in slots.tolist():
             check_slot_range(slot, self.num_slots)
-            if not self.allocator.is_allocated(slot):
+            if not allocator.is_allocated(slot):
                 raise ValueError(f"slot {slot} is not allocated; allocate it with RecurrentStatePool.alloc")
         return slots.astype(np.int32)
+
+    def rows(self, slots: Sequence[int] | np.ndarray, dp_rank: int = 0) -> np.ndarray:
+        """i32 rows of the whole buffers holding `slots` of data rank `dp_rank` (for host-side access)."""
+        self._check_rank(dp_rank)
+        return (dp_rank * (self.num_slots + 1) + np.asarray(slots)).astype(np.int32)
+
+    def _check_rank(self, dp_rank: int) -> None:
+        if not 0 <= dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank={dp_rank} is not a data rank of this pool (it has {self.dp_size})")
+
+    def _allocator(self, dp_rank: int) -> SlotAllocator:
+        self._check_rank(dp_rank)
+        return self.allocators[dp_rank]
 
     # --- per-layer access (jit-friendly) ------------------------------------------------------------
 
@@ -182,7 +248,7 @@ class RecurrentStatePool:
             ) from None
 
     def get_linear_recurrent_layer_cache(self, layer_id: int) -> tuple[jax.Array, jax.Array]:
-        """`(recurrent [slots+1, H, D, D] fp32, conv [slots+1, W-1, 3P])` of one layer."""
+        """`(recurrent [rows, H, D, D] fp32, conv [rows, W-1, 3, P])` of one layer."""
         i = self.layer_index(layer_id)
         return self.recurrent_buffer[i], self.conv_buffer[i]
 
@@ -191,7 +257,7 @@ class RecurrentStatePool:
         layer_id: int,
         slot_indices: jax.Array,  # i32[N]
         new_recurrent: jax.Array,  # [N, H, D, D]
-        new_conv: jax.Array,  # [N, W-1, 3P]
+        new_conv: jax.Array,  # [N, W-1, 3, P]
     ) -> RecurrentStatePool:
         """A pool whose `slot_indices` of layer `layer_id` hold the new states (the rest unchanged).
 
@@ -204,21 +270,33 @@ class RecurrentStatePool:
                 f"new_recurrent must be [N={n}, H, D, D]={(n, *self.recurrent_buffer.shape[2:])}, "
                 f"got {new_recurrent.shape}"
             )
-        if new_conv.shape != (n, *self.conv_buffer.shape[2:]):
-            raise ValueError(
-                f"new_conv must be [N={n}, W-1, 3P]={(n, *self.conv_buffer.shape[2:])}, got {new_conv.shape}"
-            )
         recurrent = self.recurrent_buffer.at[i, slot_indices].set(
             new_recurrent.astype(self.recurrent_buffer.dtype)
         )
+        return self.replace(recurrent_buffer=recurrent).set_conv_states(layer_id, slot_indices, new_conv)
+
+    def set_conv_states(
+        self,
+        layer_id: int,
+        slot_indices: jax.Array,  # i32[N]
+        new_conv: jax.Array,  # [N, W-1, 3, P]
+    ) -> RecurrentStatePool:
+        """A pool whose `slot_indices` of layer `layer_id` hold the new conv states."""
+        i = self.layer_index(layer_id)
+        n = slot_indices.shape[0]
+        if new_conv.shape != (n, *self.conv_buffer.shape[2:]):
+            raise ValueError(
+                f"new_conv must be [N={n}, W-1, 3, P]={(n, *self.conv_buffer.shape[2:])}, "
+                f"got {new_conv.shape}"
+            )
         conv = self.conv_buffer.at[i, slot_indices].set(new_conv.astype(self.conv_buffer.dtype))
-        return RecurrentStatePool(recurrent, conv, self.layer_ids, self.allocator)
+        return self.replace(conv_buffer=conv)
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
 def _zero_slots(
-    recurrent: jax.Array,  # [L, slots+1, H, D, D]
-    conv: jax.Array,  # [L, slots+1, W-1, 3P]
-    slots: jax.Array,  # i32[n]
+    recurrent: jax.Array,  # [L, rows, H, D, D]
+    conv: jax.Array,  # [L, rows, W-1, 3, P]
+    rows: jax.Array,  # i32[n]
 ) -> tuple[jax.Array, jax.Array]:
-    return recurrent.at[:, slots].set(0), conv.at[:, slots].set(0)
+    return recurrent.at[:, rows].set(0), conv.at[:, rows].set(0)

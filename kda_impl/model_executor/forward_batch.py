@@ -1,7 +1,8 @@
 """What one forward step runs on: the mode, the token positions and the attention backend with its metadata.
 
 `make_forward_batch` builds an EXTEND or DECODE batch outside `jit`, padding its sizes to buckets so
-that a jitted forward compiles once per bucket, not once per set of lengths.
+that a jitted forward compiles once per bucket, not once per set of lengths; `make_dp_forward_batch`
+builds one for data-parallel attention, the requests of each data rank padded alike.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from kda_impl.kernels.validation import dynamic_validate_cu_seqlens
 from kda_impl.mem_cache.recurrent_state_pool import DUMMY_SLOT
+from kda_impl.parallel.mesh import DATA_AXIS
 
 if TYPE_CHECKING:
     from kda_impl.layers.attention.linear.kda_backend import LinearRecurrentAttnBackend
@@ -45,32 +48,57 @@ class ForwardMode(enum.IntEnum):
 @dataclasses.dataclass(frozen=True)
 class ForwardBatch:
     """One step's batch: arrays (and the backend holding the metadata arrays) are pytree children,
-    `forward_mode` is static aux data.
+    `forward_mode` and `dp_size` are static aux data.
+
+    With data parallelism (`dp_size` > 1, `make_dp_forward_batch`) every array is the data ranks' arrays
+    one after the other, each rank padded to the same sizes; without it, the one rank's arrays.
     """
 
     forward_mode: ForwardMode
     positions: jax.Array  # i32[T] position of each token in its request (0 for padding tokens)
     attn_backend: LinearRecurrentAttnBackend  # carries forward_metadata (cu_q_lens, recurrent_indices)
+    dp_size: int = 1
 
     @property
     def num_tokens(self) -> int:
-        """T, the padded token count."""
+        """T, the padded token count (of all data ranks)."""
         return self.positions.shape[0]
 
     @property
     def batch_size(self) -> int:
-        """N, the padded request count."""
+        """N, the padded request count (of all data ranks)."""
         return self.attn_backend.forward_metadata.recurrent_indices.shape[0]
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """The padded token count of one data rank."""
+        return self.num_tokens // self.dp_size
+
+    def rank_rows(self, dp_rank: int) -> slice:
+        """The rows of data rank `dp_rank`'s tokens in the batch's `[T, ...]` arrays."""
+        if not 0 <= dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank={dp_rank} is not a data rank of this batch (it has {self.dp_size})")
+        return slice(dp_rank * self.tokens_per_rank, (dp_rank + 1) * self.tokens_per_rank)
+
+    def request_rows(self, dp_rank: int, seq_lens: Sequence[int]) -> list[np.ndarray]:
+        """The rows holding each request of data rank `dp_rank` (whose `seq_lens` built the batch)."""
+        ends = self.rank_rows(dp_rank).start + np.cumsum(np.asarray(seq_lens, np.int64))
+        return [np.arange(end - n, end) for end, n in zip(ends, seq_lens)]
+
+    def partition_specs(self) -> ForwardBatch:
+        """This batch's tree with a `PartitionSpec` per array: every array split over `data`."""
+        return jax.tree.map(lambda _: PartitionSpec(DATA_AXIS), self)
 
     def replace(self, **changes: Any) -> ForwardBatch:
         return dataclasses.replace(self, **changes)
 
-    def tree_flatten(self) -> tuple[tuple[Any, ...], ForwardMode]:
-        return (self.positions, self.attn_backend), self.forward_mode
+    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[ForwardMode, int]]:
+        return (self.positions, self.attn_backend), (self.forward_mode, self.dp_size)
 
     @classmethod
-    def tree_unflatten(cls, forward_mode: ForwardMode, children: tuple[Any, ...]) -> ForwardBatch:
-        return cls(forward_mode, *children)
+    def tree_unflatten(cls, aux: tuple[ForwardMode, int], children: tuple[Any, ...]) -> ForwardBatch:
+        forward_mode, dp_size = aux
+        return cls(forward_mode, *children, dp_size=dp_size)
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -109,15 +137,92 @@ def make_forward_batch(
           padding token and the dummy slot.
         Outputs of padding tokens are meaningless: keep the first `sum(seq_lens)` rows.
     """
-    if forward_mode not in (ForwardMode.EXTEND, ForwardMode.DECODE):
-        raise ValueError(f"make_forward_batch builds EXTEND or DECODE batches, got {forward_mode!r}")
-    lens = np.asarray(seq_lens, dtype=np.int64)
-    slots = np.asarray(recurrent_indices, dtype=np.int64)
-    prefix = np.zeros_like(lens) if prefix_lens is None else np.asarray(prefix_lens, dtype=np.int64)
-    if lens.ndim != 1 or lens.size == 0:
+    lens = np.asarray(seq_lens)
+    if forward_mode in (ForwardMode.EXTEND, ForwardMode.DECODE) and (lens.ndim != 1 or lens.size == 0):
         raise ValueError(
             f"seq_lens must be a non-empty 1-D list of token counts, got {list(np.atleast_1d(lens))}"
         )
+    return make_dp_forward_batch(
+        attn_backend,
+        forward_mode,
+        [seq_lens],
+        [recurrent_indices],
+        prefix_lens=None if prefix_lens is None else [prefix_lens],
+        min_tokens=min_tokens,
+        min_requests=min_requests,
+    )
+
+
+def make_dp_forward_batch(
+    attn_backend: LinearRecurrentAttnBackend,
+    forward_mode: ForwardMode,
+    seq_lens: Sequence[Sequence[int]],
+    recurrent_indices: Sequence[Sequence[int] | np.ndarray],
+    *,
+    prefix_lens: Sequence[Sequence[int]] | None = None,
+    min_tokens: int = MIN_TOKEN_BUCKET,
+    min_requests: int = MIN_REQUEST_BUCKET,
+) -> ForwardBatch:
+    """A batch for data-parallel attention: requests `seq_lens[r]` run on data rank r (outside `jit`).
+
+    One list per data rank of `seq_lens`, `recurrent_indices` (slots of rank r's share of the pool,
+    `RecurrentStatePool.get_recurrent_indices(..., dp_rank=r)`) and `prefix_lens`; a rank may have no
+    request. Each rank is padded as `make_forward_batch` pads a batch, all to the same buckets (the
+    largest any rank needs), and every array holds the ranks' parts one after the other: rank r's
+    hidden states go to rows `batch.rank_rows(r)` of the `[T, hidden]` input (first its real tokens,
+    then zero rows), its outputs come back in the same rows.
+    """
+    if forward_mode not in (ForwardMode.EXTEND, ForwardMode.DECODE):
+        raise ValueError(f"make_forward_batch builds EXTEND or DECODE batches, got {forward_mode!r}")
+    dp = len(seq_lens)
+    prefixes = [None] * dp if prefix_lens is None else list(prefix_lens)
+    if dp < 1 or len(recurrent_indices) != dp or len(prefixes) != dp:
+        raise ValueError(
+            f"seq_lens, recurrent_indices and prefix_lens need one list per data rank: got {dp}, "
+            f"{len(recurrent_indices)} and {len(prefixes)} lists"
+        )
+    ranks = []
+    for rank, (lens, slots, prefix) in enumerate(zip(seq_lens, recurrent_indices, prefixes)):
+        try:
+            ranks.append(_rank_requests(forward_mode, lens, slots, prefix))
+        except ValueError as err:
+            raise ValueError(f"data rank {rank}: {err}" if dp > 1 else str(err)) from None
+    if forward_mode == ForwardMode.DECODE:
+        padded_reqs = max(bucket(lens.size, min_requests) for lens, _, _ in ranks)
+        num_tokens = padded_reqs
+    else:
+        padded_reqs = max(bucket(lens.size + 1, min_requests) for lens, _, _ in ranks)
+        num_tokens = max(bucket(int(lens.sum()), min_tokens) for lens, _, _ in ranks)
+
+    positions, metadata = [], []
+    for lens, slots, prefix in ranks:
+        padded_lens, padded_slots, rank_positions = _pad_rank(
+            forward_mode, lens, slots, prefix, padded_reqs, num_tokens
+        )
+        positions.append(rank_positions)
+        metadata.append(attn_backend.get_forward_metadata(forward_mode, padded_lens, padded_slots))
+    return ForwardBatch(
+        forward_mode=forward_mode,
+        positions=jnp.asarray(np.concatenate(positions), jnp.int32),
+        attn_backend=attn_backend.with_forward_metadata(
+            jax.tree.map(lambda *parts: jnp.concatenate(parts), *metadata)
+        ),
+        dp_size=dp,
+    )
+
+
+def _rank_requests(
+    forward_mode: ForwardMode,
+    seq_lens: Sequence[int],
+    recurrent_indices: Sequence[int] | np.ndarray,
+    prefix_lens: Sequence[int] | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The requests of one data rank as int64 arrays `(seq_lens, slots, prefix_lens)`, validated."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    slots = np.asarray(recurrent_indices, dtype=np.int64)
+    prefix = np.zeros_like(lens) if prefix_lens is None else np.asarray(prefix_lens, dtype=np.int64)
+    if lens.ndim != 1:
+        raise ValueError(f"seq_lens must be a 1-D list of token counts, got {list(np.atleast_1d(lens))}")
     if slots.shape != lens.shape or prefix.shape != lens.shape:
         raise ValueError(
             f"seq_lens, recurrent_indices and prefix_lens must have one entry per request: "
@@ -127,31 +232,31 @@ def make_forward_batch(
         raise ValueError(f"seq_lens {lens.tolist()} and prefix_lens {prefix.tolist()} must be >= 0")
     if forward_mode == ForwardMode.DECODE and np.any(lens != 1):
         raise ValueError(f"a DECODE batch has exactly one token per request, got seq_lens {lens.tolist()}")
+    return lens, slots, prefix
 
+
+def _pad_rank(
+    forward_mode: ForwardMode,
+    lens: np.ndarray,  # [N] tokens of each request
+    slots: np.ndarray,  # [N]
+    prefix: np.ndarray,  # [N]
+    padded_reqs: int,
+    num_tokens: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One rank's `(seq_lens [padded_reqs], slots [padded_reqs], positions [num_tokens])`, padded."""
     num_reqs, num_real_tokens = lens.size, int(lens.sum())
     if forward_mode == ForwardMode.DECODE:
-        padded_reqs = bucket(num_reqs, min_requests)
-        num_tokens = padded_reqs
         padded_lens = np.ones(padded_reqs, np.int64)
     else:
-        padded_reqs = bucket(num_reqs + 1, min_requests)
-        num_tokens = bucket(num_real_tokens, min_tokens)
         padded_lens = np.zeros(padded_reqs, np.int64)
         padded_lens[:num_reqs] = lens
         padded_lens[num_reqs] = num_tokens - num_real_tokens
     padded_slots = np.full(padded_reqs, DUMMY_SLOT, np.int64)
     padded_slots[:num_reqs] = slots
-
     positions = np.zeros(num_tokens, np.int64)
     starts = np.cumsum(lens) - lens
     positions[:num_real_tokens] = np.arange(num_real_tokens) - np.repeat(starts - prefix, lens)
-
-    metadata = attn_backend.get_forward_metadata(forward_mode, padded_lens, padded_slots)
-    return ForwardBatch(
-        forward_mode=forward_mode,
-        positions=jnp.asarray(positions, jnp.int32),
-        attn_backend=attn_backend.with_forward_metadata(metadata),
-    )
+    return padded_lens, padded_slots, positions
 
 
 def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:

@@ -7,6 +7,12 @@ o_proj. In a bf16 run the weights and activations are bf16 except A_log / dt_bia
 where transformers' `KimiLinearDeltaAttention` puts them: conv in the weight dtype, the kernel in fp32
 with its output cast to bf16, the output norm in fp32 cast to bf16. One exception: beta is
 `sigmoid` in fp32, as the spec and the serving stacks have it (transformers rounds it to bf16).
+
+Parallelism (docs/parallelism.md): the forward always runs under `jax.shard_map` over the layer's mesh
+(axes `data` and `tensor`, `kda_impl.parallel.make_mesh`; without one, the 1 x 1 mesh of the first
+device). Each tensor rank computes its H / tp heads end to end — projections, conv, gate, beta, the
+kernel, the gated norm — and its rows of o_proj; one psum over `tensor` adds the partial outputs. Each
+data rank serves its own requests on its own pool slots. `PARAM_SPECS` says how each parameter is split.
 """
 
 from __future__ import annotations
@@ -19,12 +25,56 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from kda_impl.config import KDAConfig
 from kda_impl.kernels.common import HIGHEST, kda_gate, l2norm
 from kda_impl.layers.radix_linear_attention import RadixLinearAttention
 from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
 from kda_impl.model_executor.forward_batch import ForwardBatch
+from kda_impl.parallel.mesh import (
+    DATA_AXIS,
+    TENSOR_AXIS,
+    check_heads_divisible,
+    mesh_sizes,
+    single_device_mesh,
+)
+
+# The layout of each parameter on the mesh, by its path in the module. P = H * D is head-major, so a
+# contiguous split of a P axis over `tensor` is a split of whole heads: the columns of q/k/v and of the
+# gate and output-gate up-projections, the conv channels, A_log, dt_bias and b_proj's columns go with
+# their heads; o_proj is row-parallel; the rank-D bottlenecks f_a / g_a and o_norm are replicated.
+PARAM_SPECS: dict[tuple[str, ...], PartitionSpec] = {
+    ("q_proj", "kernel"): PartitionSpec(None, TENSOR_AXIS),  # [hidden, P]
+    ("k_proj", "kernel"): PartitionSpec(None, TENSOR_AXIS),  # [hidden, P]
+    ("v_proj", "kernel"): PartitionSpec(None, TENSOR_AXIS),  # [hidden, P]
+    ("q_conv1d",): PartitionSpec(None, TENSOR_AXIS),  # [W, P]
+    ("k_conv1d",): PartitionSpec(None, TENSOR_AXIS),  # [W, P]
+    ("v_conv1d",): PartitionSpec(None, TENSOR_AXIS),  # [W, P]
+    ("f_a_proj", "kernel"): PartitionSpec(),  # [hidden, D]
+    ("f_b_proj", "kernel"): PartitionSpec(None, TENSOR_AXIS),  # [D, P]
+    ("A_log",): PartitionSpec(TENSOR_AXIS),  # [H]
+    ("dt_bias",): PartitionSpec(TENSOR_AXIS, None),  # [H, D]
+    ("b_proj", "kernel"): PartitionSpec(None, TENSOR_AXIS),  # [hidden, H]
+    ("g_a_proj", "kernel"): PartitionSpec(),  # [hidden, D]
+    ("g_b_proj", "kernel"): PartitionSpec(None, TENSOR_AXIS),  # [D, P]
+    ("o_norm", "weight"): PartitionSpec(),  # [D]
+    ("o_proj", "kernel"): PartitionSpec(TENSOR_AXIS, None),  # [P, hidden]
+}
+TOKEN_ROWS = PartitionSpec(DATA_AXIS)  # [T, ...]: each data rank's tokens, the same on every tensor rank
+TOKEN_HEADS = PartitionSpec(DATA_AXIS, TENSOR_AXIS)  # [T, H, ...]: tokens over data, heads over tensor
+
+
+def param_specs(params: nnx.State) -> nnx.State:
+    """The `PartitionSpec` of every parameter of a `KimiDeltaAttention` state, as a tree like it."""
+
+    def spec(path: tuple[Any, ...], _: Any) -> PartitionSpec:
+        name = tuple(key.key for key in path if isinstance(key, jax.tree_util.DictKey))
+        if name not in PARAM_SPECS:
+            raise ValueError(f"parameter {'.'.join(name)} has no layout in PARAM_SPECS")
+        return PARAM_SPECS[name]
+
+    return jax.tree_util.tree_map_with_path(spec, params)
 
 
 class GatedRMSNorm(nnx.Module):
@@ -49,6 +99,9 @@ class GatedRMSNorm(nnx.Module):
 class KimiDeltaAttention(nnx.Module):
     """One KDA layer. Parameters are JAX layout: a Linear's `kernel` is `[in, out]` (HF weight transposed),
     the conv taps `q/k/v_conv1d` are `[W, P]`, `A_log` `[H]` and `dt_bias` `[H, D]` fp32.
+
+    `mesh`: where the layer runs (axes `data`, `tensor`); its tensor axis must divide the head count.
+    Parameters are created unplaced; `kda_impl.weights` loads them onto the mesh (`PARAM_SPECS`).
     """
 
     def __init__(
@@ -65,9 +118,11 @@ class KimiDeltaAttention(nnx.Module):
                 f"layer {layer_idx} is not a KDA layer of {config.preset!r} "
                 f"(1-based kda_layers={config.kda_layers})"
             )
+        self.mesh = single_device_mesh() if mesh is None else mesh
+        _, tp = mesh_sizes(self.mesh)
+        check_heads_divisible(config.num_heads, tp)
         self.config = config
         self.layer_idx = layer_idx
-        self.mesh = mesh
         self.dtype = dtype
         hidden, heads, dim, width, proj = (
             config.hidden_size,
@@ -101,7 +156,7 @@ class KimiDeltaAttention(nnx.Module):
         self.o_norm = GatedRMSNorm(dim, config.rms_norm_eps, dtype)
         self.o_proj = linear(proj, hidden)
         self.attn = RadixLinearAttention(
-            layer_id=layer_idx, num_heads=heads, head_k_dim=dim, head_v_dim=dim, conv_size=width
+            layer_id=layer_idx, num_heads=heads // tp, head_k_dim=dim, head_v_dim=dim, conv_size=width
         )
 
     def __call__(
@@ -116,37 +171,67 @@ class KimiDeltaAttention(nnx.Module):
         """`(out [T, hidden], pool)`, plus the dump-named intermediates when `return_intermediates`:
         `q/k/v_after_conv` `[T, H, D]` (after conv + silu, before l2norm), `g` `[T, H, D]` fp32,
         `beta` `[T, H]` fp32, `g_out` `[T, H, D]` (before sigmoid), `o_norm` `[T, H, D]`.
+
+        Runs under `shard_map` over the layer's mesh: the arrays are global (hidden states and outputs
+        split over `data`, the pool as `RecurrentStatePool.partition_specs` says); each device runs
+        `_forward_shard` on its share.
         """
         self._check_inputs(hidden_states, forward_batch, recurrent_state_pool)
+        graphdef, params = nnx.split(self)
+        pool_specs = recurrent_state_pool.partition_specs()
+
+        def shard(
+            params: nnx.State, hidden_states: jax.Array, forward_batch: ForwardBatch, pool: RecurrentStatePool
+        ) -> tuple[Any, ...]:
+            layer = nnx.merge(graphdef, params)
+            return layer._forward_shard(hidden_states, forward_batch, pool, return_intermediates)
+
+        out_specs = (TOKEN_ROWS, pool_specs) + ((TOKEN_HEADS,) if return_intermediates else ())
+        return jax.shard_map(
+            shard,
+            mesh=self.mesh,
+            in_specs=(param_specs(params), TOKEN_ROWS, forward_batch.partition_specs(), pool_specs),
+            out_specs=out_specs,
+            # Pallas calls declare no varying mesh axes on their outputs; the one collective is explicit.
+            check_vma=False,
+        )(params, hidden_states, forward_batch, recurrent_state_pool)
+
+    def _forward_shard(
+        self,
+        hidden_states: jax.Array,  # [T, hidden] this data rank's tokens
+        forward_batch: ForwardBatch,  # this data rank's requests
+        pool: RecurrentStatePool,  # this data rank's slots, this tensor rank's heads
+        return_intermediates: bool,
+    ) -> tuple[Any, ...]:
+        """The forward on one device: its data rank's tokens through its tensor rank's heads."""
         tokens = hidden_states.shape[0]
-        heads, dim = self.config.num_heads, self.config.head_dim
+        heads, dim = self.attn.num_heads, self.config.head_dim
         x = hidden_states.astype(self.dtype)
 
         mixed_qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)  # [T, 3P]
         conv_weight = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=-1)
-        conv_out, new_conv_state = self.attn.short_conv(
-            forward_batch, mixed_qkv, conv_weight, recurrent_state_pool
-        )
+        conv_out, new_conv_state = self.attn.short_conv(forward_batch, mixed_qkv, conv_weight, pool)
         qkv = jax.nn.silu(conv_out.astype(jnp.float32)).astype(self.dtype).reshape(tokens, 3, heads, dim)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # [T, H, D] each
 
         g = self._decay(x)  # [T, H, D] fp32
         beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))  # [T, H] fp32
         o, pool = self.attn(
-            forward_batch,
-            l2norm(q),
-            l2norm(k),
-            v.astype(jnp.float32),
-            g,
-            beta,
-            new_conv_state,
-            recurrent_state_pool,
+            forward_batch, l2norm(q), l2norm(k), v.astype(jnp.float32), g, beta, new_conv_state, pool
         )
         o = o.astype(self.dtype)  # [T, H, D]
 
         g_out = self.g_b_proj(self.g_a_proj(x)).reshape(tokens, heads, dim)
         o_norm = self.o_norm(o, g_out)
-        out = self.o_proj(o_norm.reshape(tokens, heads * dim))
+        # Row-parallel o_proj: this rank's heads times their rows of the kernel, summed over the ranks
+        # in fp32 and rounded once.
+        partial = jnp.dot(
+            o_norm.reshape(tokens, heads * dim),
+            self.o_proj.kernel[...],
+            precision=HIGHEST,
+            preferred_element_type=jnp.float32,
+        )
+        out = jax.lax.psum(partial, TENSOR_AXIS).astype(self.dtype)
         if not return_intermediates:
             return out, pool
         intermediates = {
@@ -165,7 +250,7 @@ class KimiDeltaAttention(nnx.Module):
         x: jax.Array,  # [T, hidden]
     ) -> jax.Array:
         """Per-channel log decay `g = -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias)`: `[T, H, D]` fp32."""
-        heads, dim = self.config.num_heads, self.config.head_dim
+        heads, dim = self.attn.num_heads, self.config.head_dim
         f = self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32).reshape(-1, heads, dim)
         return kda_gate(f, self.A_log[...][:, None], self.dt_bias[...])
 
@@ -187,11 +272,19 @@ class KimiDeltaAttention(nnx.Module):
                 f"{forward_batch.num_tokens}; pad it with pad_rows(x, forward_batch.num_tokens)"
             )
         rec_shape, conv_shape = pool.recurrent_buffer.shape[2:], pool.conv_buffer.shape[2:]
-        want_rec, want_conv = (cfg.num_heads, cfg.head_dim, cfg.head_dim), (cfg.conv_size - 1, cfg.conv_dim)
+        want_rec = (cfg.num_heads, cfg.head_dim, cfg.head_dim)
+        want_conv = (cfg.conv_size - 1, 3, cfg.proj_dim)
         if rec_shape != want_rec or conv_shape != want_conv:
             raise ValueError(
-                f"the pool holds states [H, D, D]={rec_shape} and conv [W-1, 3P]={conv_shape}, but layer "
+                f"the pool holds states [H, D, D]={rec_shape} and conv [W-1, 3, P]={conv_shape}, but layer "
                 f"{self.layer_idx} needs {want_rec} and {want_conv}"
+            )
+        dp, _ = mesh_sizes(self.mesh)
+        if forward_batch.dp_size != dp or pool.dp_size != dp:
+            raise ValueError(
+                f"layer {self.layer_idx} runs on a mesh with dp={dp} data ranks, but the batch has "
+                f"dp_size={forward_batch.dp_size} and the pool dp_size={pool.dp_size}; build them for the "
+                f"same mesh (make_dp_forward_batch, RecurrentStatePool.create(..., mesh=))"
             )
 
 
@@ -203,6 +296,8 @@ def jit_forward(
     Returns `step(hidden_states [T, hidden], forward_batch, pool) -> (out, pool[, intermediates])`. The
     parameters are captured now: reload weights → call `jit_forward` again. Compiles once per bucket of
     `make_forward_batch` (and per forward mode). The pool passed in is consumed: use the returned one.
+    Host arrays are fine as hidden states and batch, also in a multi-process run, where every process
+    passes the same values.
     """
     graphdef, params = nnx.split(module)
 

@@ -111,14 +111,14 @@ class LayerRunner:
         return np.concatenate(step.outs)
 
     def states(self, slots: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """(recurrent [N, H, D, D], conv [N, W-1, 3P]) of `slots`, float32."""
+        """(recurrent [N, H, D, D], conv [N, W-1, 3, P]) of `slots`, float32."""
         recurrent, conv = self.pool.get_linear_recurrent_layer_cache(0)
         index = np.asarray(slots)
         return np.asarray(recurrent[index]), np.asarray(conv[index].astype(jnp.float32))
 
     def write_recurrent(self, slots: Sequence[int], recurrent: np.ndarray) -> None:
         """Put recurrent states `[N, H, D, D]` into `slots` (conv states zero)."""
-        conv = jnp.zeros((len(slots), self.config.conv_size - 1, self.config.conv_dim), self.dtype)
+        conv = jnp.zeros((len(slots), self.config.conv_size - 1, 3, self.config.proj_dim), self.dtype)
         self.pool = self.pool.set_linear_recurrent_layer_cache(
             0, jnp.asarray(slots, jnp.int32), jnp.asarray(recurrent), conv
         )

@@ -50,7 +50,7 @@ def test_adapter_checks_offsets_states_and_carries(adapter):
         ValueError, match=r"initial_state must be \[N, H, D, D\]=\(2, 2, 64, 64\) for the 2 sequences"
     ):
         adapter.layer_extend(x, np.asarray([0, 5, 8], np.int32), initial_state=states)
-    carry = KDACarry(jnp.asarray(states), jnp.zeros((3, MINI.conv_size - 1, MINI.conv_dim)))
+    carry = KDACarry(jnp.asarray(states), jnp.zeros((3, MINI.conv_size - 1, 3, MINI.proj_dim)))
     with pytest.raises(ValueError, match=r"the carry holds 3 sequences, the call has 2"):
         adapter.layer_decode(x[:2], carry)
     with pytest.raises(ValueError, match=r"must end at the token count T=8"):

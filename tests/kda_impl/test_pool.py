@@ -32,7 +32,7 @@ def test_create_shapes_and_layers():
     assert pool.layer_ids == (0, 1, 3)  # 1-based kda_layers (1, 2, 4)
     assert pool.recurrent_buffer.shape == (3, 5, 2, 64, 64)
     assert pool.recurrent_buffer.dtype == jnp.float32
-    assert pool.conv_buffer.shape == (3, 5, 3, 3 * 128)
+    assert pool.conv_buffer.shape == (3, 5, 3, 3, 128)  # [L, slots+1, W-1, q|k|v, P]
     assert pool.conv_buffer.dtype == jnp.bfloat16
     with pytest.raises(ValueError, match=r"layer 2 has no state in this pool; it holds layers \(0, 1, 3\)"):
         pool.get_linear_recurrent_layer_cache(2)
@@ -114,15 +114,15 @@ def test_set_layer_cache_touches_only_those_slots_of_that_layer():
 def test_set_layer_cache_checks_state_shapes():
     pool = make_pool()
     slots = jnp.asarray([1, 2], jnp.int32)
-    good_conv = jnp.zeros((2, 3, 384))
+    good_conv = jnp.zeros((2, 3, 3, 128))
     with pytest.raises(
         ValueError, match=r"new_recurrent must be \[N=2, H, D, D\]=\(2, 2, 64, 64\), got \(2, 3, 64, 64\)"
     ):
         pool.set_linear_recurrent_layer_cache(0, slots, jnp.zeros((2, 3, 64, 64)), good_conv)
     with pytest.raises(
-        ValueError, match=r"new_conv must be \[N=2, W-1, 3P\]=\(2, 3, 384\), got \(2, 4, 384\)"
+        ValueError, match=r"new_conv must be \[N=2, W-1, 3, P\]=\(2, 3, 3, 128\), got \(2, 3, 384\)"
     ):
-        pool.set_linear_recurrent_layer_cache(0, slots, jnp.zeros((2, 2, 64, 64)), jnp.zeros((2, 4, 384)))
+        pool.set_linear_recurrent_layer_cache(0, slots, jnp.zeros((2, 2, 64, 64)), jnp.zeros((2, 3, 384)))
 
 
 def test_pytree_keeps_the_allocator_and_updates_under_jit():
@@ -136,7 +136,7 @@ def test_pytree_keeps_the_allocator_and_updates_under_jit():
         return fill(pool, 3, [1, 2], 1.0)
 
     new_pool = write(pool)
-    assert new_pool.allocator is pool.allocator
+    assert new_pool.allocators is pool.allocators
     assert new_pool.alloc(1).tolist() == [3]  # the copy shares the free list
     assert np.all(np.asarray(new_pool.get_linear_recurrent_layer_cache(3)[0])[slots] == 1)
 

@@ -7,10 +7,13 @@ new states back. `KDAAttnBackend` binds the two kernel entry points to `kda_impl
 | ForwardMode | behaviour |
 |---|---|
 | EXTEND | `_dispatch_chunk` over the packed batch (`cu_q_lens`), initial states from the slots |
-| DECODE | `_dispatch_recurrent`, one token per request, states updated in their slots |
+| DECODE | `_dispatch_recurrent`, one token per request, states updated in their slots of the whole pool |
 | IDLE / DUMMY_FIRST | zeros; the pool is returned unchanged |
 | DRAFT_EXTEND / TARGET_VERIFY | NotImplementedError (speculative decoding is a non-goal) |
 | MIXED | ValueError: never produced; `--enable-mixed-chunk` is refused for KDA models |
+
+Under tensor or data parallelism the backend runs inside the layer's `shard_map`: it sees one device's
+heads, one data rank's requests and that rank's block of pool slots, and needs no collective.
 """
 
 from __future__ import annotations
@@ -128,19 +131,22 @@ class LinearRecurrentAttnBackend(abc.ABC):
         self,
         layer: RadixLinearAttention,
         forward_batch: ForwardBatch,
-        mixed_qkv: jax.Array,  # [T, C] conv inputs (q | k | v projections)
-        conv_weight: jax.Array,  # [W, C]
+        mixed_qkv: jax.Array,  # [T, 3P] conv inputs: the q | k | v projections
+        conv_weight: jax.Array,  # [W, 3P]
         recurrent_state_pool: RecurrentStatePool,
     ) -> tuple[jax.Array, jax.Array]:
         """The layer's causal conv, continuing each request's conv state from its slot.
 
-        Returns `(y [T, C], new_conv_state [N, W-1, C])`; the new state is written by `forward`.
+        Returns `(y [T, 3P], new_conv_state [N, W-1, 3P])`; the new state is written by `forward`.
         """
         _check_supported(forward_batch.forward_mode)
         metadata = self._metadata()
         _, conv_cache = recurrent_state_pool.get_linear_recurrent_layer_cache(layer.layer_id)
-        conv_state = conv_cache[metadata.recurrent_indices]  # [N, W-1, C]
-        return short_conv_with_state(mixed_qkv, conv_weight, conv_state, metadata.cu_q_lens)
+        conv_state = conv_cache[metadata.recurrent_indices]  # [N, W-1, 3, P]: q | k | v
+        num_seqs, history = conv_state.shape[:2]
+        return short_conv_with_state(
+            mixed_qkv, conv_weight, conv_state.reshape(num_seqs, history, -1), metadata.cu_q_lens
+        )
 
     def forward(
         self,
@@ -151,7 +157,7 @@ class LinearRecurrentAttnBackend(abc.ABC):
         v: jax.Array,  # [T, H, V]
         g: jax.Array,  # [T, H, K] fp32 log decay
         beta: jax.Array,  # [T, H] fp32
-        new_conv_state: jax.Array,  # [N, W-1, C] from `apply_short_conv`
+        new_conv_state: jax.Array,  # [N, W-1, 3P] from `apply_short_conv`
         recurrent_state_pool: RecurrentStatePool,
     ) -> tuple[jax.Array, RecurrentStatePool]:
         """Run the mode's kernel; return `(o [T, H, V] in q's dtype, the pool with the new states)`."""
@@ -161,8 +167,9 @@ class LinearRecurrentAttnBackend(abc.ABC):
             return jnp.zeros(v.shape, q.dtype), recurrent_state_pool
         metadata = self._metadata()
         slots = metadata.recurrent_indices
-        recurrent_cache, _ = recurrent_state_pool.get_linear_recurrent_layer_cache(layer.layer_id)
+        new_conv_state = new_conv_state.reshape(*new_conv_state.shape[:2], 3, -1)  # the pool's q | k | v
         if mode == ForwardMode.EXTEND:
+            recurrent_cache, _ = recurrent_state_pool.get_linear_recurrent_layer_cache(layer.layer_id)
             o, new_recurrent = self._dispatch_chunk(
                 q[None],
                 k[None],
@@ -173,29 +180,26 @@ class LinearRecurrentAttnBackend(abc.ABC):
                 cu_seqlens=metadata.cu_q_lens,
                 scale=layer.scaling,
             )
-            o = o[0]
-        else:
-            if q.shape[0] != slots.shape[0]:
-                raise ValueError(
-                    f"DECODE has one token per request: got T={q.shape[0]} for N={slots.shape[0]}"
-                )
-            # The kernel reads and updates the slots in a buffer of just this batch's states, so the
-            # pool's write path is the same per-slot scatter as for EXTEND.
-            compact = jnp.arange(slots.shape[0], dtype=jnp.int32)
-            o, new_recurrent = self._dispatch_recurrent(
-                q,
-                k,
-                v,
-                g,
-                beta,
-                state_buffer=recurrent_cache[slots],
-                slot_indices=compact,
-                scale=layer.scaling,
+            pool = recurrent_state_pool.set_linear_recurrent_layer_cache(
+                layer.layer_id, slots, new_recurrent, new_conv_state
             )
-        pool = recurrent_state_pool.set_linear_recurrent_layer_cache(
-            layer.layer_id, slots, new_recurrent, new_conv_state
+            return o[0], pool
+        if q.shape[0] != slots.shape[0]:
+            raise ValueError(f"DECODE has one token per request: got T={q.shape[0]} for N={slots.shape[0]}")
+        # The kernel steps the batch's slots of this layer inside the whole (donated) pool buffer.
+        o, recurrent_buffer = self._dispatch_recurrent(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            state_buffer=recurrent_state_pool.recurrent_buffer,
+            slot_indices=slots,
+            layer_index=recurrent_state_pool.layer_index(layer.layer_id),
+            scale=layer.scaling,
         )
-        return o, pool
+        pool = recurrent_state_pool.replace(recurrent_buffer=recurrent_buffer)
+        return o, pool.set_conv_states(layer.layer_id, slots, new_conv_state)
 
     def _metadata(self) -> LinearRecurrentAttnBackendMetadata:
         if self.forward_metadata is None:
@@ -226,11 +230,13 @@ class LinearRecurrentAttnBackend(abc.ABC):
         g: jax.Array,  # [B, H, K]
         beta: jax.Array,  # [B, H]
         *,
-        state_buffer: jax.Array,  # [S, H, K, V] fp32
-        slot_indices: jax.Array,  # i32[B] rows of state_buffer
+        state_buffer: jax.Array,  # [L, S, H, K, V] fp32, the whole pool's recurrent buffer
+        slot_indices: jax.Array,  # i32[B] slots of state_buffer
+        layer_index: int,  # the layer's row of state_buffer
         scale: float,
     ) -> tuple[jax.Array, jax.Array]:
-        """One decode token per request: `(o [B, H, V], state_buffer with those rows updated)`."""
+        """One decode token per request: `(o [B, H, V], state_buffer with those slots of the layer
+        updated)`."""
 
 
 @jax.tree_util.register_pytree_node_class
@@ -289,6 +295,7 @@ class KDAAttnBackend(LinearRecurrentAttnBackend):
         *,
         state_buffer: jax.Array,
         slot_indices: jax.Array,
+        layer_index: int,
         scale: float,
     ) -> tuple[jax.Array, jax.Array]:
         return decode_kda_slots(
@@ -299,6 +306,7 @@ class KDAAttnBackend(LinearRecurrentAttnBackend):
             beta,
             state_buffer=state_buffer,
             slot_indices=slot_indices,
+            layer_index=layer_index,
             scale=scale,
             kernel=self.kernel,
         )
