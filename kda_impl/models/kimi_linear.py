@@ -211,17 +211,18 @@ class KimiDeltaAttention(nnx.Module):
         mixed_qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)  # [T, 3P]
         conv_weight = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=-1)
         conv_out, new_conv_state = self.attn.short_conv(forward_batch, mixed_qkv, conv_weight, pool)
-        qkv = jax.nn.silu(conv_out.astype(jnp.float32)).astype(self.dtype).reshape(tokens, 3, heads, dim)
+        qkv = jax.nn.silu(self._rounded(conv_out).astype(jnp.float32)).astype(self.dtype)
+        qkv = qkv.reshape(tokens, 3, heads, dim)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # [T, H, D] each
 
         g = self._decay(x)  # [T, H, D] fp32
-        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))  # [T, H] fp32
+        beta = jax.nn.sigmoid(self._rounded(self.b_proj(x)).astype(jnp.float32))  # [T, H] fp32
         o, pool = self.attn(
             forward_batch, l2norm(q), l2norm(k), v.astype(jnp.float32), g, beta, new_conv_state, pool
         )
-        o = o.astype(self.dtype)  # [T, H, D]
+        o = self._rounded(o.astype(self.dtype))  # [T, H, D]
 
-        g_out = self.g_b_proj(self.g_a_proj(x)).reshape(tokens, heads, dim)
+        g_out = self._rounded(self.g_b_proj(self.g_a_proj(x))).reshape(tokens, heads, dim)
         o_norm = self.o_norm(o, g_out)
         # Row-parallel o_proj: this rank's heads times their rows of the kernel, summed over the ranks
         # in fp32 and rounded once.
@@ -251,8 +252,19 @@ class KimiDeltaAttention(nnx.Module):
     ) -> jax.Array:
         """Per-channel log decay `g = -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias)`: `[T, H, D]` fp32."""
         heads, dim = self.attn.num_heads, self.config.head_dim
-        f = self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32).reshape(-1, heads, dim)
+        f = self._rounded(self.f_b_proj(self.f_a_proj(x))).astype(jnp.float32).reshape(-1, heads, dim)
         return kda_gate(f, self.A_log[...][:, None], self.dt_bias[...])
+
+    def _rounded(self, x: jax.Array) -> jax.Array:
+        """`x` rounded to the run dtype for real, where the reference stores it before upcasting.
+
+        XLA may keep a bf16 intermediate in fp32 when an fp32 op consumes it (excess precision);
+        `reduce_precision` pins the rounding the torch reference does. A no-op in fp32 runs.
+        """
+        info = jnp.finfo(self.dtype)
+        if info.bits == 32:
+            return x
+        return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
     def _check_inputs(
         self,
