@@ -237,13 +237,14 @@ class KDAImplAdapter(KDAAdapter):
         cu_seqlens: np.ndarray,  # i32[N+1]
         initial_state: np.ndarray | None,  # [N, H, D, D] fp32
     ) -> tuple[np.ndarray, np.ndarray]:
-        """q, k, v in the run dtype (as the layer feeds them), g, beta and the states fp32."""
+        """As the layer feeds the kernel: q, k l2-normalised in fp32 (never re-rounded), v in the run
+        dtype, g, beta and the states fp32; o rounded to the run dtype, as the reference kernel returns it."""
         seq_lens_from_cu_seqlens(cu_seqlens, q.shape[0])  # the jitted kernel cannot check values
-        q, k, v = (jnp.asarray(x, self._run_dtype)[None] for x in (q, k, v))
-        g, beta = (jnp.asarray(x, jnp.float32)[None] for x in (g, beta))
+        q, k, g, beta = (jnp.asarray(x, jnp.float32)[None] for x in (q, k, g, beta))
+        v = jnp.asarray(v, self._run_dtype)[None]
         init = None if initial_state is None else jnp.asarray(initial_state, jnp.float32)
         o, final = kernel(q, k, v, g, beta, initial_state=init, cu_seqlens=jnp.asarray(cu_seqlens, jnp.int32))
-        return _to_numpy(o[0]), _to_numpy(final)
+        return _to_numpy(o[0].astype(self._run_dtype)), _to_numpy(final)
 
 
 def _to_numpy(x: jax.Array) -> np.ndarray:
