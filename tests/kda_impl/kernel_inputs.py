@@ -1,4 +1,4 @@
-"""Seeded random KDA kernel inputs with realistic and extreme gates, shared by the kernel tests."""
+"""Seeded random KDA kernel inputs, the fla reference and the kernel call, shared by the kernel tests."""
 
 from __future__ import annotations
 
@@ -41,3 +41,53 @@ def random_kernel_inputs(
 
 def l2normalise(x: np.ndarray) -> np.ndarray:
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def fresh_rng(request) -> np.random.Generator:
+    """A fresh seed each run, printed and recorded with the test so that a failure can be replayed."""
+    seed = np.random.SeedSequence().entropy % 2**32
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+def fla_reference(
+    inputs: dict[str, np.ndarray], initial_state: np.ndarray | None, chunked: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """fla-core's naive torch kernels on l2-normalised q, k: (o [B, T, H, V], final state [B, H, K, V])."""
+    import torch
+    from fla.ops.kda import naive as fla_naive
+
+    tensors = [
+        torch.from_numpy(np.ascontiguousarray(x))
+        for x in (
+            l2normalise(inputs["q"]),
+            l2normalise(inputs["k"]),
+            inputs["v"],
+            inputs["g"],
+            inputs["beta"],
+        )
+    ]
+    h0 = None if initial_state is None else torch.from_numpy(initial_state)
+    tokens = tensors[0].shape[1]
+    flushed = torch.set_flush_denormal(True)  # strong decays make denormals, which torch runs slowly
+    try:
+        if not chunked:
+            o, state = fla_naive.naive_recurrent_kda(*tensors, initial_state=h0, output_final_state=True)
+        else:
+            pad = -tokens % 64  # naive_chunk_kda needs whole chunks; zero k/v/g/beta rows leave S unchanged
+            padded = [torch.nn.functional.pad(x, (0, 0) * (x.ndim - 2) + (0, pad)) for x in tensors]
+            o, state = fla_naive.naive_chunk_kda(*padded, initial_state=h0, output_final_state=True)
+    finally:
+        if flushed:
+            torch.set_flush_denormal(False)
+    return o[:, :tokens].numpy(), state.numpy()
+
+
+def run_kernel(kernel, inputs: dict[str, np.ndarray], **kwargs) -> tuple[np.ndarray, np.ndarray]:
+    """`kernel` on `inputs` with q, k normalised in-kernel; (o, final state) as numpy."""
+    o, state = kernel(
+        inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
+        output_final_state=True, use_qk_l2norm_in_kernel=True, **kwargs,
+    )  # fmt: skip
+    return np.asarray(o), np.asarray(state)

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from kda_impl.kernels import naive
-from tests.kda_impl.kernel_inputs import l2normalise, random_kernel_inputs
+from tests.kda_impl.kernel_inputs import fla_reference, fresh_rng, random_kernel_inputs, run_kernel
 
-torch = pytest.importorskip("torch")
-fla_naive = pytest.importorskip("fla.ops.kda.naive")
+pytest.importorskip("torch")
+pytest.importorskip("fla.ops.kda.naive")
 
 pytestmark = pytest.mark.torch
 FP32 = {"atol": 1e-5, "rtol": 1e-5}
@@ -22,48 +22,7 @@ FP32 = {"atol": 1e-5, "rtol": 1e-5}
 
 @pytest.fixture
 def rng(request) -> np.random.Generator:
-    """A fresh seed each run (printed on failure through the test id's hash), reproducible via -p."""
-    seed = np.random.SeedSequence().entropy % 2**32
-    request.node.user_properties.append(("seed", seed))
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
-def fla_reference(inputs, initial_state, chunked: bool = False):
-    """fla's naive kernels on l2-normalised q, k (the kernels here normalise in-kernel)."""
-    tensors = [
-        torch.from_numpy(np.ascontiguousarray(x))
-        for x in (
-            l2normalise(inputs["q"]),
-            l2normalise(inputs["k"]),
-            inputs["v"],
-            inputs["g"],
-            inputs["beta"],
-        )
-    ]
-    h0 = None if initial_state is None else torch.from_numpy(initial_state)
-    if not chunked:
-        o, state = fla_naive.naive_recurrent_kda(*tensors, initial_state=h0, output_final_state=True)
-        return o.numpy(), state.numpy()
-    tokens = tensors[0].shape[1]
-    pad = -tokens % 64  # naive_chunk_kda needs whole chunks; zero k/v/g/beta rows leave S unchanged
-    padded = [torch.nn.functional.pad(x, (0, 0) * (x.ndim - 2) + (0, pad)) for x in tensors]
-    o, state = fla_naive.naive_chunk_kda(*padded, initial_state=h0, output_final_state=True)
-    return o[:, :tokens].numpy(), state.numpy()
-
-
-def run_kernel(kernel, inputs, **kwargs):
-    o, state = kernel(
-        inputs["q"],
-        inputs["k"],
-        inputs["v"],
-        inputs["g"],
-        inputs["beta"],
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-        **kwargs,
-    )
-    return np.asarray(o), np.asarray(state)
+    return fresh_rng(request)
 
 
 KERNELS = {"chunk": naive.chunk_kda, "recurrent": naive.fused_recurrent_kda}

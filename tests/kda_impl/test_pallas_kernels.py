@@ -22,7 +22,7 @@ import pytest
 
 from kda_impl.kernels import naive, pallas
 from kda_impl.kernels.pallas import tuning
-from tests.kda_impl.kernel_inputs import l2normalise, random_kernel_inputs
+from tests.kda_impl.kernel_inputs import fla_reference, fresh_rng, random_kernel_inputs, run_kernel
 
 FP32 = {"atol": 1e-5, "rtol": 1e-5}
 HEADS, DIM = 2, 128
@@ -36,49 +36,13 @@ LIBTPU_ENV = "KDA_LIBTPU_PATH"  # a directory holding the `libtpu` package (pip 
 
 @pytest.fixture
 def rng(request) -> np.random.Generator:
-    """A fresh seed each run, printed (and kept as a test property) so that a failure can be replayed."""
-    seed = np.random.SeedSequence().entropy % 2**32
-    request.node.user_properties.append(("seed", seed))
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
+    return fresh_rng(request)
 
 
 @pytest.fixture
 def fla_naive():
     pytest.importorskip("torch")
     return pytest.importorskip("fla.ops.kda.naive")
-
-
-def fla_recurrent(fla_naive, inputs: dict[str, np.ndarray], initial_state: np.ndarray | None):
-    """fla's naive recurrent KDA on l2-normalised q, k: (o [B, T, H, V], final state [B, H, K, V])."""
-    import torch
-
-    tensors = [
-        torch.from_numpy(np.ascontiguousarray(x))
-        for x in (
-            l2normalise(inputs["q"]),
-            l2normalise(inputs["k"]),
-            inputs["v"],
-            inputs["g"],
-            inputs["beta"],
-        )
-    ]
-    h0 = None if initial_state is None else torch.from_numpy(initial_state)
-    flushed = torch.set_flush_denormal(True)  # strong decays make denormals, which torch runs slowly
-    try:
-        o, state = fla_naive.naive_recurrent_kda(*tensors, initial_state=h0, output_final_state=True)
-    finally:
-        if flushed:
-            torch.set_flush_denormal(False)
-    return o.numpy(), state.numpy()
-
-
-def run_kernel(kernel, inputs: dict[str, np.ndarray], **kwargs) -> tuple[np.ndarray, np.ndarray]:
-    o, state = kernel(
-        inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
-        output_final_state=True, use_qk_l2norm_in_kernel=True, **kwargs,
-    )  # fmt: skip
-    return np.asarray(o), np.asarray(state)
 
 
 def random_states(rng: np.random.Generator, count: int) -> np.ndarray:
@@ -101,14 +65,14 @@ def packed_inputs(rng: np.random.Generator, decay: str = "realistic") -> tuple[d
     return inputs, cu_seqlens, random_states(rng, len(LENGTHS))
 
 
-def assert_matches_fla_per_sequence(fla_naive, inputs, cu_seqlens, h0, o, state) -> None:
+def assert_matches_fla_per_sequence(inputs, cu_seqlens, h0, o, state) -> None:
     """Each sequence of the packed batch equals fla on that sequence alone; empty ones keep h0 exactly."""
     for i, (start, end) in enumerate(itertools.pairwise(cu_seqlens)):
         if start == end:
             np.testing.assert_array_equal(state[i], h0[i], err_msg=f"empty sequence {i}")
             continue
         alone = {name: x[:, start:end] for name, x in inputs.items()}
-        ref_o, ref_state = fla_recurrent(fla_naive, alone, h0[i : i + 1])
+        ref_o, ref_state = fla_reference(alone, h0[i : i + 1])
         np.testing.assert_allclose(
             o[:, start:end], ref_o, **FP32, err_msg=f"o of sequence {i}, T={end - start}"
         )
@@ -135,7 +99,7 @@ def test_packed_batch_matches_plain_jax_and_fla(rng, fla_naive, kernel, decay):
             "pallas": (o, state),
         }
     )
-    assert_matches_fla_per_sequence(fla_naive, inputs, cu_seqlens, h0, o, state)
+    assert_matches_fla_per_sequence(inputs, cu_seqlens, h0, o, state)
 
 
 @pytest.mark.torch
@@ -147,7 +111,7 @@ def test_equal_length_batch_matches_fla(rng, fla_naive, kernel, with_state):
     h0 = random_states(rng, 2) if with_state else None
     assert_all_equal(
         {
-            "fla": fla_recurrent(fla_naive, inputs, h0),
+            "fla": fla_reference(inputs, h0),
             "pallas": run_kernel(PALLAS[kernel], inputs, initial_state=h0),
         }
     )
@@ -200,7 +164,7 @@ def test_decode_writes_only_given_slots(rng, fla_naive, monkeypatch, state_bytes
         np.asarray(x) for x in pallas.decode_kda_slots(**step, state_buffer=jnp.asarray(pool), **kwargs)
     )
     naive_o, naive_pool = (np.asarray(x) for x in naive.decode_kda_slots(**step, state_buffer=pool, **kwargs))
-    ref_o, ref_state = fla_recurrent(fla_naive, inputs, pool[layer, slots])
+    ref_o, ref_state = fla_reference(inputs, pool[layer, slots])
     assert_all_equal({"fla": (ref_o[:, 0], ref_state), "pallas": (o, new_pool[layer, slots])})
     np.testing.assert_allclose(new_pool, naive_pool, **FP32)
     np.testing.assert_allclose(o, naive_o, **FP32)
