@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kda_impl.config import KDAConfig
+from kda_spec.config import KDAConfig
 
 
 @dataclasses.dataclass

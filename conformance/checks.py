@@ -15,12 +15,12 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from conformance import dump_format as fmt
 from conformance import sequences
 from conformance.adapter import KDAAdapter, LayerResult
 from conformance.metrics import Comparison, compare
 from conformance.reader import CaseData, DumpSet
 from conformance.tolerances import TolerancePolicy
+from kda_spec import dump_format as fmt
 
 # Kernel checks: check name → (kernel path as in the dump keys, which result).
 KERNEL_CHECKS = {

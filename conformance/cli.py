@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 from conformance.adapter import load_adapter_class
-from conformance.dump_format import DTYPES
 from conformance.reader import DumpError, DumpSet
 from conformance.tolerances import DEFAULT_POLICY_FILE, TolerancePolicy
+from kda_spec.dump_format import DTYPES
 
 SUITE_FILE = Path(__file__).with_name("suite") / "test_conformance.py"
 KERNELS = ("auto", "naive", "pallas")

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from conformance import dump_format as fmt
 from conformance.checks import KERNEL_INPUTS, CheckRunner, CheckSkipped, CheckSpec
 from conformance.metrics import Comparison, compare
 from conformance.reader import CaseData
 from conformance.report import format_text_table
+from kda_spec import dump_format as fmt
 
 # (stage, result shown, check whose computation and tolerance it uses)
 STAGES = (

@@ -18,8 +18,8 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from conformance import dump_format as fmt
-from kda_impl.config import KDAConfig
+from kda_spec import dump_format as fmt
+from kda_spec.config import KDAConfig
 
 # Result names a case file may hold (without the `_bf16` suffix); `out` is stored as out_fp32/out_bf16.
 _RESULT_NAMES = (*fmt.KERNEL_KEYS, *fmt.INTERMEDIATE_KEYS, *fmt.OPTIONAL_KEYS)

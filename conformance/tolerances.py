@@ -12,7 +12,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from conformance.dump_format import DTYPES
+from kda_spec.dump_format import DTYPES
 
 DEFAULT_POLICY_FILE = Path(__file__).with_name("tolerances.toml")
 _LIMIT_FIELDS = ("atol", "rtol", "max_nrmse", "nrmse_min_tokens")

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from conformance.dump_format import weight_shapes
 from dump_gen.errors import DumpError
-from kda_impl.config import KDAConfig
-from kda_impl.hf_names import layer_prefix
+from kda_spec.config import KDAConfig
+from kda_spec.dump_format import weight_shapes
+from kda_spec.weight_names import layer_prefix
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -14,10 +14,10 @@ import dataclasses
 import sys
 import time
 
-from conformance.dump_format import CASES_BY_ID, select_cases
 from dump_gen.errors import DumpError
 from dump_gen.references import REFERENCES
-from kda_impl.config import PRESETS, KDAConfig, get_preset
+from kda_spec.config import PRESETS, KDAConfig, get_preset
+from kda_spec.dump_format import CASES_BY_ID, select_cases
 
 # Config override flags: (flag, KDAConfig field, type).
 _OVERRIDES = (

@@ -13,7 +13,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from conformance.dump_format import (
+from dump_gen.inputs import CaseInputs, case_inputs
+from dump_gen.kernels import PATHS, KernelBackend, kernel_backend
+from dump_gen.references.base import LayerRunner, Reference
+from dump_gen.storage import DumpWriter, npz_bytes
+from kda_spec.config import KDAConfig
+from kda_spec.dump_format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     FP32_IN_BF16_RUN,
@@ -25,11 +30,6 @@ from conformance.dump_format import (
     expected_shape,
     result_key,
 )
-from dump_gen.inputs import CaseInputs, case_inputs
-from dump_gen.kernels import PATHS, KernelBackend, kernel_backend
-from dump_gen.references.base import LayerRunner, Reference
-from dump_gen.storage import DumpWriter, npz_bytes
-from kda_impl.config import KDAConfig
 
 RUN_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RESULT_ORDER = (OUTPUT_KEY, *KERNEL_KEYS, *INTERMEDIATE_KEYS)

@@ -11,8 +11,8 @@ import itertools
 
 import numpy as np
 
-from conformance.dump_format import STANDARD_CASES, CaseSpec
-from kda_impl.config import KDAConfig
+from kda_spec.config import KDAConfig
+from kda_spec.dump_format import STANDARD_CASES, CaseSpec
 
 # Streams 1 + i of the run's seed belong to case i of the standard table (stream 0: the weights).
 _CASE_STREAM_BASE = 1

@@ -14,8 +14,8 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from conformance.dump_format import CASES_DIR, MANIFEST_FILE, sha256_bytes
 from dump_gen.errors import DumpError
+from kda_spec.dump_format import CASES_DIR, MANIFEST_FILE, sha256_bytes
 
 
 def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:

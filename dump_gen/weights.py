@@ -1,16 +1,16 @@
 """The layer's float32 master weights under their HF names, seeded and synthetic.
 
 HF names are the checkpoint names of one KDA layer without the `model.layers.{i}.self_attn.` prefix
-(`conformance.dump_format.weight_shapes`); they are also the names the hub's `KimiDeltaAttention` uses.
+(`kda_spec.dump_format.weight_shapes`); they are also the names the hub's `KimiDeltaAttention` uses.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from conformance.dump_format import weight_shapes
-from kda_impl.config import KDAConfig
-from kda_impl.hf_names import CONV_NAMES
+from kda_spec.config import KDAConfig
+from kda_spec.dump_format import weight_shapes
+from kda_spec.weight_names import CONV_NAMES
 
 # Stream 0 of the run's seed draws the weights; the cases use their own streams (inputs.py).
 WEIGHTS_STREAM = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kda_impl.config import KDAConfig
+from kda_spec.config import KDAConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Load one KDA layer's HF weights into a `KimiDeltaAttention`: from a dict, or from a safetensors checkpoint.
 
-HF names are those of `kda_impl.hf_names` (torch layout), with or without the
+HF names are those of `kda_spec.weight_names` (torch layout), with or without the
 `model.layers.{i}.self_attn.` prefix. A checkpoint folder holds `model.safetensors.index.json` and its
 shards, or one `model.safetensors`; only the tensors of the requested layer are read.
 """
@@ -18,10 +18,10 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
-from kda_impl.config import KDAConfig
-from kda_impl.hf_names import FP32_WEIGHTS, hf_weight_shapes, layer_prefix
 from kda_impl.models.kimi_linear import PARAM_SPECS, KimiDeltaAttention
 from kda_impl.parallel.mesh import put
+from kda_spec.config import KDAConfig
+from kda_spec.weight_names import FP32_WEIGHTS, hf_weight_shapes, layer_prefix
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from conformance.adapter import KDAAdapter, LayerResult
-from kda_impl.config import KDAConfig
 from kda_impl.kernels import chunk_kda, fused_recurrent_kda
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
@@ -37,6 +36,7 @@ from kda_impl.model_executor.forward_batch import (
 from kda_impl.models.kimi_linear import jit_forward
 from kda_impl.parallel import make_mesh, mesh_sizes
 from kda_impl.weights import layer_from_hf_weights
+from kda_spec.config import KDAConfig
 
 RUN_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 TP_ENV, DP_ENV = "KDA_TP", "KDA_DP"

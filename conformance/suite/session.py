@@ -11,11 +11,11 @@ import pytest
 
 from conformance.adapter import load_adapter_class
 from conformance.checks import CheckRunner, CheckSkipped, CheckSpec, plan
-from conformance.dump_format import DTYPES
 from conformance.metrics import Comparison
 from conformance.reader import DumpSet
 from conformance.report import Record, build_report, environment, markdown, write_json
 from conformance.tolerances import TolerancePolicy
+from kda_spec.dump_format import DTYPES
 
 
 def parse_dtypes(text: str) -> list[str]:

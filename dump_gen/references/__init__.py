@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kda_impl.config import KDAConfig
+from kda_spec.config import KDAConfig
 
 if TYPE_CHECKING:
     from dump_gen.references.base import Reference

@@ -11,7 +11,7 @@ import torch
 
 from dump_gen.capture import KERNEL_INPUTS, KernelCall, NormCall
 from dump_gen.inputs import CaseInputs
-from kda_impl.hf_names import FP32_WEIGHTS
+from kda_spec.weight_names import FP32_WEIGHTS
 
 _VERSIONED = ("torch", "transformers", "fla-core", "flash-linear-attention", "triton", "numpy")
 

@@ -29,7 +29,7 @@ from dump_gen.errors import DumpError
 from dump_gen.inputs import CaseInputs
 from dump_gen.references.base import LayerRun, assemble_run, device_description, load_layer, package_versions
 from dump_gen.references.hub_patch import PATCH_NOTE, patch_layer_class
-from kda_impl.config import KDAConfig
+from kda_spec.config import KDAConfig
 
 RFC_MODELING_MD5 = "337ae1fc58c7010db4051e30fa23563e"
 MODELING_FILE = "modeling_kimi.py"

@@ -24,8 +24,8 @@ from dump_gen.capture import KernelRecorder, NormCall, recording_norm, replaced
 from dump_gen.inputs import CaseInputs
 from dump_gen.kernels import PATHS, KernelBackend, kernel_backend
 from dump_gen.references.base import LayerRun, assemble_run, device_description, load_layer, package_versions
-from kda_impl.config import KDAConfig
-from kda_impl.hf_names import hf_to_transformers
+from dump_gen.references.transformers_names import hf_to_transformers
+from kda_spec.config import KDAConfig
 
 # The module-level kernel functions the layer's forward calls, by path; their names for q, k, v, g, beta.
 _KERNEL_FUNCTIONS = {

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kda_impl.config import KDAConfig
 from kda_impl.parallel.mesh import DATA_AXIS, TENSOR_AXIS, check_heads_divisible, mesh_sizes
+from kda_spec.config import KDAConfig
 
 DUMMY_SLOT = 0  # reserved for padding / idle requests; never handed out by `alloc`
 # Layouts of the buffers on a mesh: slots over `data`, heads (or head-major channels) over `tensor`.

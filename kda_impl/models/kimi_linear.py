@@ -27,7 +27,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from kda_impl.config import KDAConfig
 from kda_impl.kernels.common import HIGHEST, kda_gate, l2norm
 from kda_impl.layers.radix_linear_attention import RadixLinearAttention
 from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
@@ -39,6 +38,7 @@ from kda_impl.parallel.mesh import (
     mesh_sizes,
     single_device_mesh,
 )
+from kda_spec.config import KDAConfig
 
 # The layout of each parameter on the mesh, by its path in the module. P = H * D is head-major, so a
 # contiguous split of a P axis over `tensor` is a split of whole heads: the columns of q/k/v and of the

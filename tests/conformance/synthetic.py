@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from conformance import dump_format as fmt
-from kda_impl.config import KDAConfig
+from kda_spec import dump_format as fmt
+from kda_spec.config import KDAConfig
 from tests.conformance.numpy_adapter import NumpyAdapter, l2norm
 
 TINY = KDAConfig(hidden_size=32, num_heads=2, head_dim=8, conv_size=4, rms_norm_eps=1e-5, preset="tiny")

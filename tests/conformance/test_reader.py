@@ -11,9 +11,9 @@ import fsspec
 import numpy as np
 import pytest
 
-from conformance import dump_format as fmt
 from conformance.cli import main
 from conformance.reader import DumpError, DumpSet
+from kda_spec import dump_format as fmt
 from tests.conformance.synthetic import write_dump_set
 
 

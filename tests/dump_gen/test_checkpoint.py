@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conformance.dump_format import weight_shapes
 from dump_gen.checkpoint import INDEX_FILE, read_layer
 from dump_gen.errors import DumpError
 from dump_gen.weights import synthetic_weights
-from kda_impl.config import get_preset
-from kda_impl.hf_names import layer_prefix
+from kda_spec.config import get_preset
+from kda_spec.dump_format import weight_shapes
+from kda_spec.weight_names import layer_prefix
 from tests.dump_gen.conftest import dump
 from tests.dump_gen.validate import read_npz, validate_set
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import dump_gen.generate
-from conformance import dump_format as fmt
+from kda_spec import dump_format as fmt
 from tests.dump_gen.conftest import CASES, dump
 from tests.dump_gen.validate import read_manifest, read_npz, split_key, validate_set
 

@@ -8,7 +8,7 @@ import json
 import fsspec
 import numpy as np
 
-from conformance import dump_format as fmt
+from kda_spec import dump_format as fmt
 
 MANIFEST_FIELDS = {
     "format",

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kda_impl.config import get_preset
 from kda_impl.mem_cache.recurrent_state_pool import DUMMY_SLOT, PoolExhaustedError, RecurrentStatePool
+from kda_spec.config import get_preset
 
 CONFIG = get_preset("mini").replace(kda_layers=(1, 2, 4), num_hidden_layers=4)
 

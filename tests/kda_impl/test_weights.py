@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from safetensors.flax import save_file
 
+from dump_gen.references.transformers_names import hf_to_transformers, transformers_to_hf
 from dump_gen.weights import synthetic_weights
-from kda_impl.config import get_preset
-from kda_impl.hf_names import hf_to_transformers, layer_prefix, transformers_to_hf
 from kda_impl.weights import INDEX_FILE, SINGLE_FILE, layer_from_checkpoint, layer_from_hf_weights
+from kda_spec.config import get_preset
+from kda_spec.weight_names import layer_prefix
 
 # Layers 0 and 2 (0-based) are KDA; layer 1 stands for an MLA layer.
 CONFIG = get_preset("mini").replace(kda_layers=(1, 3), num_hidden_layers=3)

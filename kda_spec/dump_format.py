@@ -10,8 +10,8 @@ import hashlib
 
 import numpy as np
 
-from kda_impl.config import KDAConfig
-from kda_impl.hf_names import hf_weight_shapes
+from kda_spec.config import KDAConfig
+from kda_spec.weight_names import hf_weight_shapes
 
 FORMAT_NAME = "kda-dump"
 FORMAT_VERSION = 1

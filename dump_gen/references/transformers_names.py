@@ -1,9 +1,7 @@
-"""Names and shapes of one KDA layer's weights: HF checkpoint names and transformers' state_dict names.
+"""HF checkpoint names ↔ the state_dict names of transformers' `KimiLinearDeltaAttention`.
 
-numpy only (no torch, no JAX), so the dump generator can import it. HF names are given without the
-`model.layers.{i}.self_attn.` prefix; every `*.weight` of a Linear is torch layout (`y = x @ W.T`).
-transformers' `KimiLinearDeltaAttention` concatenates the three depthwise convs into one
-`conv1d.weight` `[3P, 1, W]` (q | k | v) and keeps the decay gate under `forget_gate.*`.
+transformers' port concatenates the three depthwise convs into one `conv1d.weight` `[3P, 1, W]`
+(q | k | v) and keeps the decay gate under `forget_gate.*`.
 """
 
 from __future__ import annotations
@@ -12,10 +10,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from kda_impl.config import KDAConfig
+from kda_spec.weight_names import CONV_NAMES
 
-LAYER_PREFIX = "model.layers.{layer}.self_attn."
-CONV_NAMES = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
 TRANSFORMERS_CONV_NAME = "conv1d.weight"
 # HF name -> transformers state_dict name, for every weight but the three convs.
 HF_TO_TRANSFORMERS = {
@@ -32,40 +28,6 @@ HF_TO_TRANSFORMERS = {
     "o_norm.weight": "o_norm.weight",
     "o_proj.weight": "o_proj.weight",
 }
-FP32_WEIGHTS = frozenset({"A_log", "dt_bias"})  # kept fp32 in a bf16 run
-
-
-def layer_prefix(layer_idx: int) -> str:
-    """`model.layers.{layer_idx}.self_attn.`, the checkpoint prefix of one layer's attention weights."""
-    return LAYER_PREFIX.format(layer=layer_idx)
-
-
-def hf_weight_shapes(config: KDAConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF weight name of one KDA layer and its shape (torch layout)."""
-    hidden, heads, dim, width, proj = (
-        config.hidden_size,
-        config.num_heads,
-        config.head_dim,
-        config.conv_size,
-        config.proj_dim,
-    )
-    return {
-        "q_proj.weight": (proj, hidden),
-        "k_proj.weight": (proj, hidden),
-        "v_proj.weight": (proj, hidden),
-        "q_conv1d.weight": (proj, 1, width),
-        "k_conv1d.weight": (proj, 1, width),
-        "v_conv1d.weight": (proj, 1, width),
-        "f_a_proj.weight": (dim, hidden),
-        "f_b_proj.weight": (proj, dim),
-        "A_log": (1, 1, heads, 1),
-        "dt_bias": (proj,),
-        "b_proj.weight": (heads, hidden),
-        "g_a_proj.weight": (dim, hidden),
-        "g_b_proj.weight": (proj, dim),
-        "o_norm.weight": (dim,),
-        "o_proj.weight": (hidden, proj),
-    }
 
 
 def hf_to_transformers(weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
