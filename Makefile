@@ -18,7 +18,7 @@ DEVICE ?= cpu
 PYTEST_ARGS ?=
 DUMP_ARGS ?=
 
-.PHONY: conform test test-slow dump golden lint bench conform-full clean-venv
+.PHONY: conform test test-slow dump golden lint bench conform-full conform-sglang-jax clean-venv device-check
 
 $(VENV)/.core: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,7 +27,7 @@ $(VENV)/.core: pyproject.toml
 	touch $@
 
 $(VENV)/.full: $(VENV)/.core
-	$(PY) -m pip install -q -e '.[$(TORCH_EXTRA),dev]'
+	$(PY) -m pip install -q -e '.[$(TORCH_EXTRA),png,dev]'
 	touch $@
 
 conform: $(VENV)/.core
@@ -42,12 +42,14 @@ test-slow: $(VENV)/.full
 dump: $(VENV)/.full
 	$(PY) -m dump_gen --out $(OUT) --preset $(PRESET) --reference $(REFERENCE) --device $(DEVICE) $(DUMP_ARGS)
 
+# golden/ stays <= 32 MiB: the float64 truth of the intermediates only for its cases of <= 65 tokens.
 golden: $(VENV)/.full
-	rm -rf golden.tmp && $(PY) -m dump_gen --out golden.tmp --preset mini --reference transformers --device cpu
+	rm -rf golden.tmp && $(PY) -m dump_gen --out golden.tmp --preset mini --reference transformers --device cpu \
+		--truth-intermediates-max-tokens 65
 	cp golden/README.md golden.tmp/README.md && rm -rf golden && mv golden.tmp golden
 
 conform-full: $(VENV)/.full
-	$(PY) -m dump_gen --out dumps/kimi-linear-48b-a3b --preset kimi-linear-48b-a3b --reference transformers --device cpu
+	$(PY) -m dump_gen --out dumps/kimi-linear-48b-a3b --overwrite --preset kimi-linear-48b-a3b --reference transformers --device cpu
 	$(PY) -m conformance run --dumps dumps/kimi-linear-48b-a3b --report-dir $(REPORT_DIR)/full-tp1
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m conformance run \
 		--dumps dumps/kimi-linear-48b-a3b --tp 4 --report-dir $(REPORT_DIR)/full-tp4
@@ -58,6 +60,26 @@ lint: $(VENV)/.full
 bench: $(VENV)/.full
 	$(PY) -m benchmarks.bench_kernels
 	$(PY) -m benchmarks.bench_layer
+
+# On a GPU machine, with the machine's own python (torch, JAX, triton) and the wheels in .whl/; here:
+# make device-check DEVICE_CHECK_ARGS=--cpu-smoke PYTHON=.venv/bin/python
+device-check:
+	PYTHON=$(PYTHON) bash benchmarks/device_check.sh $(DEVICE_CHECK_ARGS)
+
+# Opt-in, not in CI: sglang-jax's KDA (examples/sglang_jax/) on golden/ and on a strong-decay set.
+SGLANG_JAX ?=
+SGLANG_JAX_RUN = $(PY) -m conformance run --impl examples.sglang_jax.adapter:SglangJaxAdapter \
+	--impl-option sglang_jax=$(SGLANG_JAX)
+conform-sglang-jax: $(VENV)/.full
+	@test -n "$(SGLANG_JAX)" || { echo "give the checkout: make conform-sglang-jax SGLANG_JAX=/path/to/sglang-jax"; exit 2; }
+	test -f dumps/stress-mini/manifest.json || $(PY) -m dump_gen --out dumps/stress-mini --preset mini \
+		--weights stress --cases T8 T65 varlen_initstate T333 varlen_70_3 --no-progress
+	status=0; \
+	$(SGLANG_JAX_RUN) --dumps golden --report-dir $(REPORT_DIR)/sglang-jax-golden \
+		-- -W ignore::DeprecationWarning || status=1; \
+	$(SGLANG_JAX_RUN) --dumps dumps/stress-mini --report-dir $(REPORT_DIR)/sglang-jax-stress \
+		-- -W ignore::DeprecationWarning || status=1; \
+	exit $$status
 
 clean-venv:
 	rm -rf $(VENV)

@@ -46,7 +46,10 @@ def layer_rows(
     state = {"pool": pool}
 
     def timed_step(mode: ForwardMode, seq_lens: list[int], slots: np.ndarray) -> tuple[float, float]:
-        batch = make_forward_batch(backend, mode, seq_lens, state["pool"].get_recurrent_indices(slots))
+        pool = state["pool"]
+        batch = make_forward_batch(
+            backend, mode, seq_lens, pool.get_recurrent_indices(slots), num_slots=pool.num_slots
+        )
         hidden = rng.standard_normal((batch.num_tokens, config.hidden_size)).astype(np.float32)
 
         def run() -> jax.Array:

@@ -1,9 +1,41 @@
-"""The adapter: how the suite drives an implementation under test.
+"""The adapter: how the suite drives an implementation under test (docs/adapters.md has a skeleton).
 
-An adapter is built from the dump's config, its float32 weights (HF names, torch layout) and a run
-dtype, and answers the calls below with numpy arrays (bf16 results upcast to float32, exactly).
-A call the implementation cannot answer raises `NotImplementedError`; the suite then reports the
-checks that need it as *skipped* with the message, never as passed.
+An adapter is a subclass of `KDAAdapter`, named on the command line as `--impl package.module:Class`.
+The suite builds it once per run dtype and reuses it for every check of that dtype:
+
+    Class(config, weights, dtype, kernel, options=options)
+
+- `config`: the dump's `kda_spec.config.KDAConfig`: H = `num_heads`, D = `head_dim` (keys and values
+  both have D channels), P = H·D, W = `conv_size`.
+- `weights`: the layer's weights as float32 numpy arrays under their HF names and in torch's layout
+  (`q_proj.weight` [P, hidden], `q_conv1d.weight` [P, 1, W], `A_log` [H], ...; kda_spec.weight_names).
+  The adapter casts them for its run itself (a bf16 serving stack keeps `A_log` and `dt_bias` fp32).
+- `dtype`: `"fp32"` or `"bf16"`, the precision to run the implementation in.
+- `kernel`: the `--kernel` value, `"auto"`, `"naive"` or `"pallas"`: which of the implementation's
+  kernels to use — `naive` its plain (XLA / reference) kernels, `pallas` its Pallas ones, `auto` its own
+  default. An adapter with one kernel may ignore it. `kernel_used` names what actually ran; the report
+  prints it beside the request.
+- `options`: the `--impl-option KEY=VALUE` pairs, as strings (`--tp N` / `--dp M` are the shorthands
+  `tp=N` / `dp=M`). An adapter lists the keys it takes in `OPTIONS` and turns the strings into values
+  in `parse_options`, which raises ValueError for an unknown key or a bad value; the command line calls
+  it before the run, so that a bad option is a one-line usage error (exit 2).
+
+Arrays, in and out, are numpy. T is the number of tokens of a packed batch of N sequences;
+`cu_seqlens` [N+1] int32 are their offsets (0, ..., T). Inputs are float32; in a bf16 run they hold
+what the bf16 reference computed with (the hidden states rounded to bf16). Results are float32: a
+bf16 result upcast exactly, so that the suite sees the implementation's own bf16 values.
+
+A recurrent state is [N, H, K, V] float32 (K = V = D), in both runs: for each sequence and head the
+matrix S with the key axis first and the value axis second, as the recurrence of kda-layer.md uses it.
+Per token t (scale = D^-1/2, decay and keys on the key axis k, values on the value axis v):
+
+    S'[k, v]  = exp(g_t[k]) · S[k, v]
+    S[k, v]   = S'[k, v] + beta_t · k_t[k] · (v_t[v] - sum_k' k_t[k'] · S'[k', v])
+    o_t[v]    = sum_k scale · q_t[k] · S[k, v]
+
+What a method may raise: `NotImplementedError` (with a message) for a path the implementation lacks:
+every check that needs it is reported as skipped with the message, never as passed. Any other exception
+is reported as an error of the checks that needed the call (the failing call is not retried).
 """
 
 from __future__ import annotations
@@ -11,7 +43,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 import importlib
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -22,11 +55,21 @@ from kda_spec.config import KDAConfig
 class LayerResult:
     """What one layer call returns.
 
-    out:           [T, hidden] float32 (for a bf16 run: the bf16 values, upcast).
-    final_state:   [N, H, D, D] float32 recurrent state of each sequence after the call.
-    carry:         opaque handle that `layer_extend(..., carry=)` / `layer_decode` continue from.
-    intermediates: dump-named stage outputs (`q_after_conv`, `g`, `beta`, `o_norm`, ...) where the
-                   implementation can expose them; missing ones make their checks skip.
+    out:           [T, hidden] float32 (in a bf16 run: the bf16 values, upcast).
+    final_state:   [N, H, K, V] float32 recurrent state of each sequence after the call (`KDAAdapter`
+                   says which axis is which); None when the implementation cannot expose it (the state
+                   checks then skip).
+    carry:         whatever the adapter needs to continue these N sequences, in the order of the call's
+                   `cu_seqlens`: at least each sequence's recurrent state and its short-conv state (the
+                   last W-1 conv inputs, zeros where the sequence was shorter). The suite never looks
+                   inside it and passes it back unchanged, to the same adapter only: to `layer_extend`
+                   (`carry=`, the next piece of the same sequences) or to `layer_decode`. It must not
+                   change after it is returned.
+    intermediates: dump-named results of inner stages, where the implementation can expose them:
+                   `q_after_conv`, `k_after_conv`, `v_after_conv` [T, H, D] (after the conv and silu,
+                   before the l2 norm), `g` [T, H, D] and `beta` [T, H] (fp32 in both runs), `g_out`
+                   [T, H, D] (before its sigmoid), `o_norm` [T, H, D] (before `o_proj`). A missing one
+                   skips its check.
     """
 
     out: np.ndarray
@@ -36,16 +79,38 @@ class LayerResult:
 
 
 class KDAAdapter(abc.ABC):
-    """Base class of an implementation under test. Subclass and point `--impl module:Class` at it."""
+    """Base class of an implementation under test; the module docstring is the contract."""
 
     #: A short name for reports.
     name: str = "unnamed"
+    #: The `--impl-option` keys this adapter takes, each with a one-line description.
+    OPTIONS: ClassVar[Mapping[str, str]] = {}
 
-    def __init__(self, config: KDAConfig, weights: dict[str, np.ndarray], dtype: str, kernel: str = "auto"):
+    def __init__(
+        self,
+        config: KDAConfig,
+        weights: dict[str, np.ndarray],
+        dtype: str,
+        kernel: str = "auto",
+        *,
+        options: Mapping[str, str] | None = None,
+    ):
         self.config = config
         self.weights = weights
         self.dtype = dtype
         self.kernel = kernel
+        self.options = self.parse_options(options or {})
+
+    @classmethod
+    def parse_options(cls, options: Mapping[str, str]) -> dict[str, Any]:
+        """The `--impl-option` strings as this adapter's values; a ValueError names a key that is not in
+        `OPTIONS` or a value that is bad. The base class checks the keys and keeps the strings: override
+        it to convert and check the values (and call it for the keys)."""
+        unknown = sorted(set(options) - set(cls.OPTIONS))
+        if unknown:
+            accepted = ", ".join(f"{key} ({text})" for key, text in cls.OPTIONS.items()) or "none"
+            raise ValueError(f"adapter {cls.name!r} has no option {unknown}; it accepts: {accepted}")
+        return dict(options)
 
     @property
     def kernel_used(self) -> str:
@@ -64,15 +129,20 @@ class KDAAdapter(abc.ABC):
         initial_state: np.ndarray | None = None,
         carry: Any = None,
     ) -> LayerResult:
-        """Prefill a packed batch.
+        """Prefill a packed batch of N sequences.
 
-        hidden_states: [T, hidden] float32; cu_seqlens: [N+1] int32;
-        initial_state: [N, H, D, D] float32 recurrent states for fresh sequences (conv state zeros);
-        carry: continue the N sequences of an earlier call instead (chunked prefill).
+        hidden_states: [T, hidden] float32; cu_seqlens: [N+1] int32.
+        initial_state: [N, H, K, V] float32 recurrent states of N fresh sequences (conv states zeros);
+        carry: continue the N sequences of an earlier call instead (chunked prefill). The suite passes
+        at most one of the two; with neither, every state starts at zeros.
         """
 
     def layer_decode(self, hidden_states: np.ndarray, carry: Any) -> LayerResult:
-        """One token for each of the N sequences of `carry`: hidden_states [N, hidden]."""
+        """One token for each of the N sequences of `carry`: hidden_states [N, hidden].
+
+        The suite decodes every sequence of the carry at each step; a sequence that has no token left is
+        fed zeros, and its output is ignored.
+        """
         raise NotImplementedError(f"adapter {self.name!r} has no decode path")
 
     def chunk_kernel(
@@ -85,9 +155,13 @@ class KDAAdapter(abc.ABC):
         cu_seqlens: np.ndarray,
         initial_state: np.ndarray | None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """The chunked kernel on a packed batch: q, k (l2-normalised), v, g [T, H, D]; beta [T, H].
+        """The chunked kernel on a packed batch, fed what the reference kernel was fed.
 
-        Returns (o [T, H, D], final_state [N, H, D, D]).
+        q, k [T, H, K]: the dumped conv outputs l2-normalised in fp32 (in a bf16 run too: not
+        bf16-representable); v [T, H, V]: the dumped conv output (bf16 values in a bf16 run); g [T, H, K]
+        and beta [T, H]: fp32; initial_state [N, H, K, V] fp32 or None (zeros).
+        Returns (o [T, H, V], final_state [N, H, K, V]): o as the reference kernel returns it (rounded
+        to bf16 in a bf16 run), the states fp32.
         """
         raise NotImplementedError(f"adapter {self.name!r} exposes no chunk kernel")
 
@@ -127,3 +201,18 @@ def load_adapter_class(spec: str) -> type[KDAAdapter]:
     if not (isinstance(cls, type) and issubclass(cls, KDAAdapter)):
         raise ValueError(f"--impl {spec!r}: {attr!r} is not a subclass of conformance.adapter.KDAAdapter")
     return cls
+
+
+def parse_option_pairs(pairs: list[str]) -> dict[str, str]:
+    """`["tp=2", "mode=fast"]` (`--impl-option KEY=VALUE`, repeatable) → {"tp": "2", "mode": "fast"}; a
+    ValueError names a pair without `=` or a key given twice."""
+    options: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--impl-option {pair!r}: expected KEY=VALUE")
+        if key in options:
+            raise ValueError(f"--impl-option {key!r} given twice ({options[key]!r}, {value!r})")
+        options[key] = value
+    return options

@@ -9,7 +9,7 @@ each layer call for every check that needs it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import ml_dtypes
@@ -17,9 +17,10 @@ import numpy as np
 
 from conformance import sequences
 from conformance.adapter import KDAAdapter, LayerResult
-from conformance.metrics import Comparison, compare
+from conformance.metrics import Comparison, attribute, compare, judge
 from conformance.reader import CaseData, DumpSet
 from conformance.tolerances import TolerancePolicy
+from conformance.truth import KERNEL_INPUTS, NoTruth, recurrence_fp64, stored_truth
 from kda_spec import dump_format as fmt
 
 # Kernel checks: check name → (kernel path as in the dump keys, which result).
@@ -29,12 +30,12 @@ KERNEL_CHECKS = {
     "kernel-recurrent": ("fused_recurrent", "o"),
     "kernel-recurrent-state": ("fused_recurrent", "state"),
 }
-KERNEL_INPUTS = ("q_after_conv", "k_after_conv", "v_after_conv", "g", "beta")
 GROUPS = ("layer", "kernel", "intermediate", "decode", "chunked")
 
 _OUT_AXES = ("token", "channel")
 _HEAD_AXES = ("token", "head", "channel")
 _STATE_AXES = ("seq", "head", "key", "value")
+KERNEL_TRUTH_SOURCE = "float64 recurrence on the dumped kernel inputs"
 
 
 class CheckSkipped(Exception):
@@ -89,6 +90,14 @@ def plan(dumps: DumpSet, case_ids: list[str], dtypes: list[str]) -> list[CheckSp
     ]
 
 
+def truth_name(check: str) -> str:
+    """The stored truth a non-kernel check is judged against: the layer's output (decode and chunked
+    prefill: its rows), its final recurrent state, or the intermediate of the check's name."""
+    if check in fmt.INTERMEDIATE_KEYS:
+        return check
+    return "recurrent_state" if check.endswith("state") else "out"
+
+
 def l2norm(x: np.ndarray) -> np.ndarray:
     """Per-head L2 normalisation in fp32, as the kernels expect q and k (kda-layer.md step 5)."""
     x = np.asarray(x, np.float32)
@@ -110,11 +119,13 @@ class CheckRunner:
         adapter_class: type[KDAAdapter],
         kernel: str,
         policy: TolerancePolicy,
+        options: Mapping[str, str] | None = None,
     ):
         self.dumps = dumps
         self.adapter_class = adapter_class
         self.kernel = kernel
         self.policy = policy
+        self.options = dict(options or {})  # the adapter's `--impl-option`s
         self.adapters: dict[str, KDAAdapter] = {}
         self._adapter_errors: dict[str, Exception] = {}
         self._weights: dict[str, np.ndarray] | None = None
@@ -136,7 +147,7 @@ class CheckRunner:
         if dtype not in self.adapters:
             try:
                 self.adapters[dtype] = self.adapter_class(
-                    self.dumps.config, self.weights(), dtype, self.kernel
+                    self.dumps.config, self.weights(), dtype, self.kernel, options=self.options
                 )
             except Exception as err:
                 self._adapter_errors[dtype] = err
@@ -170,14 +181,60 @@ class CheckRunner:
         if not case.has_dtype(spec.dtype):
             raise CheckSkipped(f"the dump has no {spec.dtype} run (no {fmt.result_key('out', spec.dtype)})")
         actual, expected, axes, positions = self.pair(case, spec)
-        return compare(
-            np.asarray(actual),
-            expected,
-            self.policy.tolerance(spec.check, spec.dtype),
-            self.policy.rfc[spec.dtype],
-            axes,
-            positions,
+        return self.compare(case, spec, np.asarray(actual), expected, axes, positions)
+
+    def compare(
+        self,
+        case: CaseData,
+        spec: CheckSpec,
+        actual: np.ndarray,
+        expected: np.ndarray,
+        axes: tuple[str, ...],
+        positions: dict,
+        truth: Callable[[], tuple[np.ndarray, str]] | None = None,
+    ) -> Comparison:
+        """`actual` against `expected` under the check's tolerance, both against the check's float64
+        truth where there is one, decided by the check's gate mode. `truth` gives (truth, source) in
+        place of the check's own (or raises `NoTruth`)."""
+        tolerance = self.policy.tolerance(spec.check, spec.dtype)
+        comparison = compare(
+            actual, expected, tolerance, self.policy.rfc[spec.dtype], axes, positions, case.info.seq_lens
         )
+        mode = self.policy.mode(spec.check, spec.dtype)
+        if not comparison.usable:
+            return judge(comparison, mode, None, "nothing compared")
+        try:
+            truth_value, source = truth() if truth else self.truth(case, spec, positions)
+        except NoTruth as missing:
+            return judge(comparison, mode, None, str(missing))
+        limits = self.policy.relative[spec.dtype]
+        apart = bool(comparison.absolute_failures)
+        attribution = attribute(actual, expected, truth_value, source, tolerance, limits, apart)
+        return judge(comparison, mode, attribution)
+
+    def truth(self, case: CaseData, spec: CheckSpec, positions: dict) -> tuple[np.ndarray, str]:
+        """The check's float64 truth and where it comes from; `NoTruth` when there is none."""
+        if spec.check in KERNEL_CHECKS:
+            o, state = self.kernel_truth(case, spec.dtype)
+            value, source = (o if KERNEL_CHECKS[spec.check][1] == "o" else state), KERNEL_TRUTH_SOURCE
+        else:
+            name = truth_name(spec.check)
+            value, source = stored_truth(case, name, spec.dtype), f"dump: {fmt.truth_key(name, spec.dtype)}"
+            if "token" in positions:
+                value = value[positions["token"]]
+        if not np.all(np.isfinite(value)):
+            raise NoTruth(f"the truth ({source}) holds NaN/Inf values")
+        return value, source
+
+    def kernel_truth(self, case: CaseData, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+        """The float64 recurrence on the dumped kernel inputs of the `dtype` run (q, k l2-normalised in
+        fp32 as the kernels get them): the truth of both kernel paths, (o, final states)."""
+
+        def compute() -> tuple[np.ndarray, np.ndarray]:
+            q, k, v, g, beta = (self._expected(case, name, dtype) for name in KERNEL_INPUTS)
+            return recurrence_fp64(l2norm(q), l2norm(k), v, g, beta, case.cu_seqlens, case.initial_state)
+
+        return self._memoized(("kernel-truth", dtype), compute)
 
     def pair(self, case: CaseData, spec: CheckSpec) -> tuple[Any, np.ndarray, tuple[str, ...], dict]:
         """(result, reference, axis names, positions) of one check."""

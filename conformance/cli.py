@@ -7,13 +7,15 @@ unreadable or broken dump set or report.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from pathlib import Path
 
-from conformance.adapter import load_adapter_class
+from conformance.adapter import KDAAdapter, load_adapter_class, parse_option_pairs
+from conformance.output_files import check_writable_file, clear_report_dir, nothing_checked
 from conformance.reader import DumpError, DumpSet
-from conformance.tolerances import DEFAULT_POLICY_FILE, TolerancePolicy
+from conformance.tolerances import DEFAULT_POLICY_FILE, TolerancePolicy, check_growth_factor
 from kda_spec.dump_format import DTYPES
 
 SUITE_FILE = Path(__file__).with_name("suite") / "test_conformance.py"
@@ -28,11 +30,17 @@ class UsageError(Exception):
 def _add_impl_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--impl", default="kda_impl", help="built-in adapter name or package.module:Attr")
     parser.add_argument("--kernel", default="auto", choices=KERNELS, help="kernel of the implementation")
-    parser.add_argument("--tolerances", default=str(DEFAULT_POLICY_FILE), help="tolerance policy file")
     parser.add_argument(
-        "--tp", type=int, metavar="N", help="tensor-parallel size of kda_impl's mesh ($KDA_TP)"
+        "--impl-option",
+        dest="impl_options",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the adapter, passed to its constructor (repeatable; see docs/adapters.md)",
     )
-    parser.add_argument("--dp", type=int, metavar="M", help="data-parallel size of kda_impl's mesh ($KDA_DP)")
+    parser.add_argument("--tolerances", default=str(DEFAULT_POLICY_FILE), help="tolerance policy file")
+    parser.add_argument("--tp", metavar="N", help="kda_impl's tensor-parallel size: --impl-option tp=N")
+    parser.add_argument("--dp", metavar="M", help="kda_impl's data-parallel size: --impl-option dp=M")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,12 +55,23 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--report-dir", default="reports", metavar="DIR")
     run.add_argument("-k", dest="keyword", metavar="EXPR", help="only checks whose id matches (pytest -k)")
     run.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failing check")
+    run.add_argument(
+        "pytest_args",
+        nargs="*",
+        metavar="-- PYTEST_OPTION",
+        help="pytest's own options after `--` (e.g. -- -W ignore::DeprecationWarning)",
+    )
 
     gate = commands.add_parser("gate", help="exit non-zero when a report breaches the policy")
     gate.add_argument("report", metavar="REPORT.json")
     gate.add_argument("--baseline", metavar="OLD_REPORT.json", help="fail where an error grew past it")
     gate.add_argument(
         "--growth-factor", type=float, help="allowed growth over the baseline (default: policy)"
+    )
+    gate.add_argument(
+        "--allow-different-dumps",
+        action="store_true",
+        help="compare with a baseline made on another dump set (or one that records none)",
     )
     gate.add_argument("--tolerances", default=str(DEFAULT_POLICY_FILE), help="tolerance policy file")
 
@@ -94,34 +113,35 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _use_mesh(tp: int | None, dp: int | None) -> None:
-    """`--tp` / `--dp`: the built-in adapter's mesh, passed on as $KDA_TP / $KDA_DP and checked against
-    the devices (on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)."""
-    from conformance.adapters.kda_impl_adapter import DP_ENV, TP_ENV, mesh_size_from_env
-    from kda_impl.parallel import make_mesh
-
-    for name, value in ((TP_ENV, tp), (DP_ENV, dp)):
-        if value is not None:
-            os.environ[name] = str(value)
+def _adapter(args: argparse.Namespace) -> tuple[type[KDAAdapter], dict[str, str]]:
+    """The adapter class of `--impl` and its options (`--impl-option`, `--tp`/`--dp` as `tp`/`dp`),
+    checked by the adapter itself (`parse_options`)."""
     try:
-        make_mesh(mesh_size_from_env(TP_ENV), mesh_size_from_env(DP_ENV))
+        adapter_class = load_adapter_class(args.impl)
+        options = parse_option_pairs(args.impl_options)
+        for key in ("tp", "dp"):
+            shorthand = getattr(args, key)
+            if shorthand is not None:
+                if key in options:
+                    raise ValueError(f"--{key} {shorthand} and --impl-option {key}={options[key]}: give one")
+                options[key] = shorthand
+        adapter_class.parse_options(options)
     except ValueError as err:
-        raise UsageError(f"--tp/--dp: {err}") from None
+        raise UsageError(str(err)) from None
+    return adapter_class, options
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     import pytest
 
-    _open_verified(args.dumps)
-    _policy(args.tolerances)
+    report_dir = Path(args.report_dir)
     try:
-        load_adapter_class(args.impl)
+        clear_report_dir(report_dir)  # first: the reports on disk are the last run's, or none
     except ValueError as err:
         raise UsageError(str(err)) from None
-    if args.tp is not None or args.dp is not None:
-        _use_mesh(args.tp, args.dp)
-    report_dir = Path(args.report_dir)
-    report_dir.mkdir(parents=True, exist_ok=True)
+    _open_verified(args.dumps)
+    _policy(args.tolerances)
+    _, options = _adapter(args)
     pytest_args = [
         str(SUITE_FILE),
         "-c", os.devnull,  # the suite's behaviour does not depend on the pytest settings of the cwd
@@ -132,6 +152,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"--dtypes={args.dtypes}",
         f"--report-dir={report_dir}",
         f"--tolerances={args.tolerances}",
+        *(f"--impl-option={key}={value}" for key, value in options.items()),
         f"--junitxml={report_dir / 'junit.xml'}",
         "-o", "junit_family=xunit1",
         "-o", "junit_suite_name=kda-conformance",
@@ -144,23 +165,37 @@ def cmd_run(args: argparse.Namespace) -> int:
         pytest_args += ["-k", args.keyword]
     if args.exitfirst:
         pytest_args.append("-x")
-    code = pytest.main(pytest_args)
-    return {0: EXIT_OK, 1: EXIT_FAIL}.get(int(code), EXIT_USAGE)
+    pytest_args += args.pytest_args
+    code = int(pytest.main(pytest_args))
+    unchecked = nothing_checked(report_dir, code, args.keyword)
+    if unchecked:
+        raise UsageError(unchecked)
+    return {0: EXIT_OK, 1: EXIT_FAIL}.get(code, EXIT_USAGE)
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    from conformance.gate import ReportError, breaches, load_report
+    from conformance.gate import ReportError, breaches, dump_set_mismatch, load_report, status_counts
 
     policy = _policy(args.tolerances)
     try:
+        factor = policy.growth_factor
+        if args.growth_factor is not None:
+            factor = check_growth_factor(args.growth_factor, "--growth-factor")
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    try:
         report = load_report(args.report)
         baseline = load_report(args.baseline) if args.baseline else None
+        found = breaches(report, baseline, factor, policy.growth_min_ratio)
     except ReportError as err:
         raise UsageError(str(err)) from None
-    factor = args.growth_factor if args.growth_factor is not None else policy.growth_factor
-    found = breaches(report, baseline, factor, policy.growth_min_ratio)
-    counts = report.get("summary", {})
-    totals = ", ".join(f"{counts.get(s, 0)} {s}" for s in ("passed", "failed", "error", "skipped"))
+    mismatch = dump_set_mismatch(report, baseline) if baseline else None
+    if mismatch and not args.allow_different_dumps:
+        raise UsageError(
+            f"{args.report} against {args.baseline}: {mismatch}; --allow-different-dumps to go on"
+        )
+    counts = status_counts(report)
+    totals = ", ".join(f"{count} {status}" for status, count in counts.items())
     if found:
         print(f"gate: FAIL ({len(found)} breach{'es' if len(found) > 1 else ''}; {totals})")
         for line in found:
@@ -173,17 +208,25 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from conformance.checks import CheckRunner
-    from conformance.diff import draw_heatmap, first_out_of_tolerance, run_stages, table_lines
+    from conformance.diff import (
+        draw_heatmap,
+        first_out_of_tolerance,
+        run_stages,
+        stage_to_look_at,
+        table_lines,
+    )
 
     dumps = DumpSet(args.dumps)
     dumps.case_ids([args.case])  # names an unknown case
-    if args.tp is not None or args.dp is not None:
-        _use_mesh(args.tp, args.dp)
-    try:
-        adapter_class = load_adapter_class(args.impl)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-    runner = CheckRunner(dumps, adapter_class, args.kernel, _policy(args.tolerances))
+    if args.png and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--png needs matplotlib: pip install 'kda-conformance[png]'")
+    if args.png:
+        try:
+            check_writable_file(Path(args.png), "--png")  # before the run, not after it
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+    adapter_class, options = _adapter(args)
+    runner = CheckRunner(dumps, adapter_class, args.kernel, _policy(args.tolerances), options)
     if not runner.case(args.case).has_dtype(args.dtype):
         raise UsageError(f"case {args.case!r} of {args.dumps} has no {args.dtype} run")
     results = run_stages(runner, args.case, args.dtype)
@@ -193,13 +236,17 @@ def cmd_diff(args: argparse.Namespace) -> int:
     first = first_out_of_tolerance(results)
     if args.png:
         compared = {row.key: row for row in results if row.comparison is not None}
-        name = args.stage or (first.key if first else "out")
+        look_at = stage_to_look_at(results)  # a state defect first, else the first out of tolerance
+        name = args.stage or (look_at.key if look_at else "out")
         if name not in compared:
             raise UsageError(
                 f"--stage {name!r}: no compared result of that name; choose from {list(compared)}"
             )
         title = f"{args.case} {args.dtype}: {compared[name].result}"
-        draw_heatmap(compared[name], Path(args.png), title, runner.case(args.case).cu_seqlens)
+        try:
+            draw_heatmap(compared[name], Path(args.png), title, runner.case(args.case).cu_seqlens)
+        except OSError as err:
+            raise UsageError(f"--png {args.png}: cannot write the heatmap ({err})") from None
         print(f"heatmap of {name} written to {args.png}")
     return EXIT_OK if first is None else EXIT_FAIL
 

@@ -1,20 +1,30 @@
 """Stage by stage through the layer for one case: where does the error first leave tolerance?
 
-conv (q/k/v_after_conv) → gate/beta (g, beta) → kernel (on the dumped inputs, and on the layer's
-own) → norm (g_out, o_norm) → out. Each stage is compared with the dump under the gate's tolerance.
+conv (q/k/v_after_conv) → gate/beta (g, beta) → kernel (each kernel's output and final state on the
+dumped inputs, and the output on the layer's own) → norm (g_out, o_norm) → out → state (the layer's
+final state) → chunked prefill (its output and the state it carries across calls). Each stage is
+compared with the dump under the gate's tolerance. A final state that leaves tolerance while the
+output it comes with holds is named first, as a state defect: a wrong state shows in the output only
+of the tokens that come after it (a later call, or decode), which this case's output has not seen.
+
+Where the dump carries the float64 truth, each stage shows three ways: implementation against
+reference, implementation against the truth, reference against the truth, with the attribution; and
+the first stage where the implementation's own error leaves the reference's is named.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import numpy as np
 
 from conformance.checks import KERNEL_INPUTS, CheckRunner, CheckSkipped, CheckSpec
-from conformance.metrics import Comparison, compare
+from conformance.metrics import Comparison
 from conformance.reader import CaseData
 from conformance.report import format_text_table
+from conformance.truth import layer_kernel_truth
 from kda_spec import dump_format as fmt
 
 # (stage, result shown, check whose computation and tolerance it uses)
@@ -25,18 +35,31 @@ STAGES = (
     ("gate/beta", "g", "g"),
     ("gate/beta", "beta", "beta"),
     ("kernel", "o_kda_chunk (dumped inputs)", "kernel-chunk"),
+    ("kernel", "recurrent_state_chunk (dumped inputs)", "kernel-chunk-state"),
     ("kernel", "o_kda_fused_recurrent (dumped inputs)", "kernel-recurrent"),
+    ("kernel", "recurrent_state_fused_recurrent (dumped inputs)", "kernel-recurrent-state"),
     ("kernel", "o_kda (the layer's inputs)", None),
     ("norm", "g_out", "g_out"),
     ("norm", "o_norm", "o_norm"),
     ("out", "out", "layer"),
+    ("state", "layer_state (the layer's final state)", "layer-state"),
+    ("chunked prefill", "chunked_out (the case in pieces)", "chunked-prefill"),
+    ("chunked prefill", "chunked_state (carried across the pieces)", "chunked-prefill-state"),
 )
+# A state check → (the output check it comes with, what the state is, in words).
+STATE_OF_OUTPUT = {
+    "kernel-chunk-state": ("kernel-chunk", "the chunk kernel's final state"),
+    "kernel-recurrent-state": ("kernel-recurrent", "the recurrent kernel's final state"),
+    "layer-state": ("layer", "the layer's final state"),
+    "chunked-prefill-state": ("chunked-prefill", "chunked prefill's carried state"),
+}
 
 
 @dataclasses.dataclass
 class StageResult:
     stage: str
     result: str
+    check: str | None = None
     comparison: Comparison | None = None
     skipped: str = ""
     actual: np.ndarray | None = None
@@ -54,20 +77,20 @@ def run_stages(runner: CheckRunner, case_id: str, dtype: str) -> list[StageResul
     case = runner.case(case_id)
     results = []
     for stage, result, check in STAGES:
-        row = StageResult(stage, result)
+        row = StageResult(stage, result, check)
         try:
+            truth = None
             if check is None:
                 row.actual, row.expected, row.axes, check = _kernel_on_layer_inputs(runner, case, dtype)
+                truth = functools.partial(_layer_kernel_truth, case, dtype)
+                positions = {}
             else:
-                row.actual, row.expected, row.axes, _ = runner.pair(case, CheckSpec(case_id, dtype, check))
+                row.actual, row.expected, row.axes, positions = runner.pair(
+                    case, CheckSpec(case_id, dtype, check)
+                )
             row.actual = np.asarray(row.actual)
-            row.comparison = compare(
-                row.actual,
-                row.expected,
-                runner.policy.tolerance(check, dtype),
-                runner.policy.rfc[dtype],
-                row.axes,
-            )
+            spec = CheckSpec(case_id, dtype, check)
+            row.comparison = runner.compare(case, spec, row.actual, row.expected, row.axes, positions, truth)
         except CheckSkipped as skip:
             row.skipped = str(skip)
         results.append(row)
@@ -91,56 +114,187 @@ def _kernel_on_layer_inputs(
     return o, reference, ("token", "head", "channel"), check
 
 
+def _layer_kernel_truth(case: CaseData, dtype: str) -> tuple[np.ndarray, str]:
+    return layer_kernel_truth(case, dtype), "float64 recurrence on the truth's q, k, v, g, beta"
+
+
+def _out(row: StageResult) -> bool:
+    return row.comparison is not None and not row.comparison.passed
+
+
 def first_out_of_tolerance(results: list[StageResult]) -> StageResult | None:
-    return next((row for row in results if row.comparison is not None and not row.comparison.passed), None)
+    """The first stage out of tolerance, in the order of the layer."""
+    return next((row for row in results if _out(row)), None)
+
+
+def state_defects(results: list[StageResult]) -> list[tuple[StageResult, str]]:
+    """The state stages out of tolerance while their output stage holds, each with what it is in words."""
+    by_check = {row.check: row for row in results}
+    defects = []
+    for row in results:
+        if row.check in STATE_OF_OUTPUT and _out(row):
+            output_check, what = STATE_OF_OUTPUT[row.check]
+            output = by_check.get(output_check)
+            if output is not None and output.comparison is not None and output.comparison.passed:
+                defects.append((row, what))
+    return defects
+
+
+def stage_to_look_at(results: list[StageResult]) -> StageResult | None:
+    """The stage to draw by default: the first state defect, else the first stage out of tolerance."""
+    defects = state_defects(results)
+    return defects[0][0] if defects else first_out_of_tolerance(results)
+
+
+def first_leaving_reference(results: list[StageResult]) -> StageResult | None:
+    """The first stage where the implementation's own error against the truth leaves the reference's:
+    beyond the relative gate's factor and floor (`Attribution.relative_failures`)."""
+    return next(
+        (
+            row
+            for row in results
+            if row.comparison is not None
+            and row.comparison.attribution is not None
+            and row.comparison.attribution.relative_failures
+        ),
+        None,
+    )
+
+
+def _against_truth(c: Comparison) -> list[str]:
+    """impl vs truth, reference vs truth (margin / nRMSE each), and the attribution: n/a without truth."""
+    a = c.attribution
+    if a is None:
+        return ["n/a", "n/a", "n/a"]
+    return [f"{side.margin:.3g} / {side.nrmse:.3g}" for side in (a.impl, a.reference)] + [a.verdict]
 
 
 def table_lines(results: list[StageResult]) -> list[str]:
-    header = ["stage", "result", "max abs", "max rel", "margin", "nRMSE", "verdict", "worst at"]
+    """The three-way table: per stage, implementation against reference (the gate's numbers and
+    verdict), implementation against the float64 truth, reference against the truth, attribution."""
+    header = [
+        "stage",
+        "result",
+        "max abs",
+        "max rel",
+        "margin",
+        "nRMSE",
+        "verdict",
+        "impl vs truth",
+        "ref vs truth",
+        "attribution",
+        "worst at",
+    ]
     body = []
     for row in results:
         c = row.comparison
         if c is None:
-            body.append([row.stage, row.result, "", "", "", "", "skip", row.skipped])
+            body.append([row.stage, row.result, "", "", "", "", "skip", "", "", "", row.skipped])
             continue
         where = ", ".join(f"{axis} {i}" for axis, i in c.worst.get("index", {}).items())
         verdict = "ok" if c.passed else "OUT"
         numbers = [f"{value:.3g}" for value in (c.max_abs, c.max_rel, c.margin, c.nrmse)]
-        body.append([row.stage, row.result, *numbers, verdict, where])
+        body.append([row.stage, row.result, *numbers, verdict, *_against_truth(c), where])
     lines = format_text_table(header, body)
+    lines.append(
+        "margin / nRMSE: against the reference under the check's tolerance; impl and ref vs truth: "
+        "each side against the float64 truth, margin / nRMSE (n/a: the dump has no truth for it)"
+    )
+    for row, what in state_defects(results):
+        lines.append(
+            f"state defect: {what} ({row.key}) leaves tolerance while its output holds: "
+            f"{row.comparison.summary()}"
+        )
     first = first_out_of_tolerance(results)
     if first is None:
         lines.append("every stage compared holds")
     else:
         lines.append(f"first out of tolerance: {first.stage} ({first.result}): {first.comparison.summary()}")
+    lines.append(_leaving_line(results))
     return lines
 
 
-def heatmap_grid(row: StageResult) -> tuple[np.ndarray, tuple[str, str]]:
-    """The error of a stage relative to its tolerance, reduced to 2-D: (grid [x, y], axis names)."""
+def _leaving_line(results: list[StageResult]) -> str:
+    """Where the implementation's own error against the truth first leaves the reference's, in words."""
+    with_truth = [row for row in results if row.comparison is not None and row.comparison.attribution]
+    if not with_truth:
+        return "no stage has a float64 truth in this dump: the implementation's own error is not known"
+    leaving = first_leaving_reference(results)
+    if leaving is None:
+        return (
+            f"the implementation's own error stays within the relative bound of the reference's at every "
+            f"stage with a truth ({len(with_truth)} of {len(results)})"
+        )
+    reasons = "; ".join(leaving.comparison.attribution.relative_failures)
+    where = f"{leaving.stage} ({leaving.result})"
+    return f"the implementation's own error first leaves the reference's at {where}: {reasons}"
+
+
+def error_ratio(row: StageResult) -> np.ndarray:
+    """|actual - expected| / (atol + rtol·|expected|) of a compared stage, elementwise (> 1 fails)."""
     tol = row.comparison.tolerance
     actual = np.where(np.isfinite(row.actual), row.actual, np.inf).astype(np.float64)
-    ratio = np.abs(actual - row.expected) / (tol.atol + tol.rtol * np.abs(row.expected))
-    # Keep the first two axes (token × head, token × channel, seq × head), worst over the rest.
+    return np.abs(actual - row.expected) / (tol.atol + tol.rtol * np.abs(row.expected))
+
+
+def is_state(row: StageResult) -> bool:
+    """A recurrent state stage: axes seq × head × key × value."""
+    return row.axes[:1] == ("seq",) and len(row.axes) == 4
+
+
+def heatmap_grid(row: StageResult) -> tuple[np.ndarray, tuple[str, str]]:
+    """The error of a per-token stage relative to its tolerance, reduced to 2-D: (grid [x, y], axis names)."""
+    ratio = error_ratio(row)
+    # Keep the first two axes (token × head, token × channel), worst over the rest.
     grid = ratio.reshape(ratio.shape[0], ratio.shape[1], -1).max(axis=2)
     return grid, (row.axes[0], row.axes[1])
 
 
+def state_panels(row: StageResult) -> np.ndarray:
+    """The error of a state stage relative to its tolerance, worst over the sequences: [head, key, value]."""
+    if not is_state(row):
+        raise ValueError(f"{row.result}: not a state (axes {row.axes})")
+    return error_ratio(row).max(axis=0)
+
+
 def draw_heatmap(row: StageResult, path: Path, title: str, cu_seqlens: np.ndarray) -> None:
-    """A PNG of the stage's error over tokens × heads (tokens × channels for `out`), sequences marked."""
+    """A PNG of the stage's error: over tokens × heads (tokens × channels for `out`), sequences marked;
+    for a state, over key × value in one panel per head, worst over the sequences."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    if is_state(row):
+        panels = state_panels(row)
+        figure = _draw_state(plt, panels, f"{title} (worst of {row.actual.shape[0]} sequences)")
+    else:
+        figure = _draw_token_grid(plt, row, title, cu_seqlens)
+    try:
+        figure.savefig(path, dpi=120)
+    finally:
+        plt.close(figure)
+
+
+def _color_range(values: np.ndarray) -> tuple[np.ndarray, float]:
+    """Values clipped to [1e-4, top] for a log colour scale whose top is at least 1 (the limit)."""
+    finite = np.where(np.isfinite(values), values, np.nan)
+    top = max(float(np.nanmax(finite)) if np.isfinite(finite).any() else 1.0, 1.0)
+    return np.clip(values, 1e-4, top), top
+
+
+_COLORBAR_LABEL = "|err| / (atol + rtol·|ref|)   (> 1 fails)"
+
+
+def _draw_token_grid(plt, row: StageResult, title: str, cu_seqlens: np.ndarray):
     from matplotlib.colors import LogNorm
     from matplotlib.ticker import MaxNLocator
 
     grid, (x_axis, y_axis) = heatmap_grid(row)
-    finite = np.where(np.isfinite(grid), grid, np.nan)
-    top = max(float(np.nanmax(finite)) if np.isfinite(finite).any() else 1.0, 1.0)
+    clipped, top = _color_range(grid)
     figure, axes = plt.subplots(figsize=(10, 4))
     image = axes.imshow(
-        np.clip(grid, 1e-4, top).T,
+        clipped.T,
         aspect="auto",
         origin="lower",
         interpolation="nearest",
@@ -150,11 +304,37 @@ def draw_heatmap(row: StageResult, path: Path, title: str, cu_seqlens: np.ndarra
     if x_axis == "token":
         for boundary in cu_seqlens[1:-1]:
             axes.axvline(boundary - 0.5, color="cyan", linewidth=0.8)
-    figure.colorbar(image, ax=axes, label="|err| / (atol + rtol·|ref|)   (> 1 fails)")
+    figure.colorbar(image, ax=axes, label=_COLORBAR_LABEL)
     axes.set_xlabel(x_axis)
     axes.set_ylabel(y_axis)
     axes.yaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_title(title)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    return figure
+
+
+def _draw_state(plt, panels: np.ndarray, title: str):
+    """One key × value panel per head, in rows of up to 8, on one shared log colour scale."""
+    from matplotlib.colors import LogNorm
+
+    heads = panels.shape[0]
+    columns = min(heads, 8)
+    rows = -(-heads // columns)
+    clipped, top = _color_range(panels)
+    figure, grid = plt.subplots(
+        rows, columns, figsize=(2.2 * columns + 1.5, 2.2 * rows + 0.8), squeeze=False, layout="constrained"
+    )
+    norm = LogNorm(vmin=1e-4, vmax=top)
+    image = None
+    for head, axes in enumerate(grid.flat):
+        if head >= heads:
+            axes.axis("off")
+            continue
+        image = axes.imshow(clipped[head], origin="lower", interpolation="nearest", norm=norm, cmap="magma")
+        axes.set_title(f"head {head}: worst {panels[head].max():.3g}", fontsize=8)
+        axes.set_xlabel("value", fontsize=7)
+        axes.set_ylabel("key", fontsize=7)
+        axes.tick_params(labelsize=6)
+    figure.colorbar(image, ax=grid, label=_COLORBAR_LABEL)
+    figure.suptitle(title)
+    return figure

@@ -1,13 +1,132 @@
-"""How close a result is to its reference: the numbers every check records, and its verdict."""
+"""How close a result is to its reference: the numbers every check records, and its verdict.
+
+Where the float64 truth is known, both sides' own errors against it are recorded too (`Attribution`):
+who the difference between them comes from, and the relative gate (docs/tolerance-policy.md).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from conformance.tolerances import Tolerance
+from conformance.tolerances import RelativeLimits, Tolerance
+
+# Who a check's difference comes from, judged against the float64 truth (docs/tolerance-policy.md).
+VERDICTS = ("impl", "reference", "both", "conditioning")
+
+
+@dataclasses.dataclass(frozen=True)
+class TruthError:
+    """One side's error against the float64 truth, as a check records errors: `margin` the worst
+    `|x - t| / (atol + rtol·|t|)` under the check's tolerance, `nrmse` `‖x - t‖₂ / ‖t‖₂`, `max_abs`."""
+
+    margin: float
+    nrmse: float
+    max_abs: float
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+def error_vs_truth(x: np.ndarray, truth: np.ndarray, tolerance: Tolerance) -> TruthError:
+    """The error of `x` against `truth` (same shape); a NaN/Inf in `x` is an infinite error."""
+    x, t = np.asarray(x, np.float64), np.asarray(truth, np.float64)
+    if x.shape != t.shape:
+        raise ValueError(f"result of shape {x.shape} against a truth of shape {t.shape}")
+    error = np.where(np.isfinite(x), np.abs(x - t), np.inf)
+    ratio, _ = _elementwise(error, t, tolerance)
+    return TruthError(margin=float(ratio.max()), nrmse=_nrmse(error, t), max_abs=float(error.max()))
+
+
+def excess(side: TruthError, other: TruthError, limits: RelativeLimits) -> list[str]:
+    """Why `side` is further from the truth than `limits` allow against `other`; empty when it is not."""
+    reasons = []
+    f = limits.factor
+    if not side.margin <= f * other.margin + limits.margin_floor:
+        reasons.append(
+            f"margin vs truth {side.margin:.3g} > {f:g}×{other.margin:.3g} + {limits.margin_floor:g}"
+        )
+    if not side.nrmse <= f * other.nrmse + limits.nrmse_floor:
+        reasons.append(f"nRMSE vs truth {side.nrmse:.3g} > {f:g}×{other.nrmse:.3g} + {limits.nrmse_floor:g}")
+    return reasons
+
+
+@dataclasses.dataclass(frozen=True)
+class Attribution:
+    """The implementation's and the reference's own errors against the float64 truth of a check."""
+
+    source: str  # where the truth comes from: a dump key, or the float64 recurrence
+    impl: TruthError
+    reference: TruthError
+    limits: RelativeLimits
+    apart: bool  # the two sides are out of the check's absolute tolerance of each other
+
+    @property
+    def relative_failures(self) -> list[str]:
+        """The relative gate: why the implementation is further from the truth than allowed."""
+        return excess(self.impl, self.reference, self.limits)
+
+    @property
+    def relative_ratio(self) -> float:
+        """The implementation's error as a share of what the relative gate allows (<= 1 holds)."""
+        f = self.limits.factor
+        return max(
+            self.impl.margin / (f * self.reference.margin + self.limits.margin_floor),
+            self.impl.nrmse / (f * self.reference.nrmse + self.limits.nrmse_floor),
+        )
+
+    @property
+    def verdict(self) -> str:
+        """`impl` / `reference`: that side is clearly further from the truth than the other (beyond the
+        relative gate's factor and floor, either way round); `both`: each is, on a different measure,
+        or neither is while the two sides are out of tolerance of each other and each is out of the
+        check's tolerance of the truth; `conditioning`: neither is, and at least one side is within
+        the check's tolerance of the truth (or the sides agree): equally good results, whose
+        difference is what the computation's conditioning makes of their roundings."""
+        impl_worse = bool(self.relative_failures)
+        reference_worse = bool(excess(self.reference, self.impl, self.limits))
+        if impl_worse and reference_worse:
+            return "both"
+        if impl_worse or reference_worse:
+            return "impl" if impl_worse else "reference"
+        both_off = min(self.impl.margin, self.reference.margin) > 1
+        return "both" if self.apart and both_off else "conditioning"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "available": True,
+            "source": self.source,
+            "impl": self.impl.as_dict(),
+            "reference": self.reference.as_dict(),
+            "limits": self.limits.as_dict(),
+            "apart": self.apart,
+            "verdict": self.verdict,
+            "relative_ratio": self.relative_ratio,
+            "relative_failures": self.relative_failures,
+        }
+
+
+def attribute(
+    actual: np.ndarray,
+    expected: np.ndarray,
+    truth: np.ndarray,
+    source: str,
+    tolerance: Tolerance,
+    limits: RelativeLimits,
+    apart: bool,
+) -> Attribution:
+    """Both sides of a check against its float64 truth; `apart`: whether the check's absolute
+    comparison of the two sides failed."""
+    return Attribution(
+        source=source,
+        impl=error_vs_truth(actual, truth, tolerance),
+        reference=error_vs_truth(expected, truth, tolerance),
+        limits=limits,
+        apart=apart,
+    )
 
 
 @dataclasses.dataclass
@@ -16,7 +135,13 @@ class Comparison:
 
     margin: worst `|a - b| / (atol + rtol * |b|)` (a check holds element-wise when it is <= 1);
     nrmse: fla's normalised RMSE `‖a - b‖₂ / ‖b‖₂`; worst: the element that sets the margin.
+    nrmse_gated: whether the nRMSE limit applies (`Tolerance.gates_nrmse`); gated_nrmse: the nRMSE over
+    the part it applies to (a state's sequences of enough tokens; else the whole result).
     rfc: the same element-wise numbers under the RFC's tolerance, reported beside the verdict.
+    mode: the gate mode of the check's policy; attribution: both sides against the float64 truth, or
+    None with `no_truth` saying why. `failures` are what decide the check (`judged_by`: the relative
+    gate needs a truth, so without one the absolute gate decides); `absolute_failures` what the
+    absolute limits say, whether they decide or not.
     """
 
     shape: tuple[int, ...]
@@ -32,24 +157,59 @@ class Comparison:
     nrmse_gated: bool
     rfc: dict[str, Any]
     failures: list[str]
+    gated_nrmse: float | None = None
+    absolute_failures: list[str] = dataclasses.field(default_factory=list)
+    mode: str = "absolute"
+    attribution: Attribution | None = None
+    no_truth: str | None = "not looked up"
+    usable: bool = True  # False when nothing could be compared (shape mismatch, NaN reference)
 
     @property
     def passed(self) -> bool:
         return not self.failures
 
     @property
-    def gate_ratio(self) -> float:
-        """The largest of the gate's criteria as a share of its limit: <= 1 holds."""
+    def judged_by(self) -> str:
+        """The gate that decides: the policy's mode, or "absolute" where there is no truth."""
+        return "absolute" if self.attribution is None else self.mode
+
+    @property
+    def absolute_ratio(self) -> float:
+        """The largest of the absolute gate's criteria as a share of its limit: <= 1 holds."""
         if self.nrmse_gated:
-            return max(self.margin, self.nrmse / self.tolerance.max_nrmse)
+            return max(self.margin, self.gated_nrmse / self.tolerance.max_nrmse)
         return self.margin
+
+    @property
+    def gate_ratio(self) -> float:
+        """The largest criterion of the deciding gate(s) as a share of its limit: <= 1 holds."""
+        if self.judged_by == "absolute":
+            return self.absolute_ratio
+        if self.judged_by == "relative":
+            return self.attribution.relative_ratio
+        return max(self.absolute_ratio, self.attribution.relative_ratio)
+
+    @property
+    def verdict(self) -> str:
+        """Who the difference comes from (`VERDICTS`), or `n/a` without a truth."""
+        return "n/a" if self.attribution is None else self.attribution.verdict
 
     def summary(self) -> str:
         """One line: what failed (or the margin when it holds), where, and by how much."""
         if self.passed:
             note = " (not gated: too few tokens)" if self.tolerance.max_nrmse and not self.nrmse_gated else ""
-            return f"holds: margin {self.margin:.3g}, nrmse {self.nrmse:.3g}{note}"
-        return "; ".join(self.failures)
+            text = f"holds: margin {self.margin:.3g}, nrmse {self.nrmse:.3g}{note}"
+            if self.judged_by != "absolute":
+                text += f"; {self.judged_by} gate ratio {self.gate_ratio:.3g}"
+        else:
+            text = "; ".join(self.failures)
+        if self.attribution is not None:
+            a = self.attribution
+            text += (
+                f" [vs truth: impl margin {a.impl.margin:.3g}, reference {a.reference.margin:.3g}; "
+                f"verdict {a.verdict}]"
+            )
+        return text
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -61,6 +221,7 @@ class Comparison:
             "margin": self.margin,
             "nrmse": self.nrmse,
             "nrmse_gated": self.nrmse_gated,
+            "gated_nrmse": self.gated_nrmse,
             "gate_ratio": self.gate_ratio,
             "nonfinite": self.nonfinite,
             "worst": self.worst,
@@ -68,7 +229,42 @@ class Comparison:
             "rfc": self.rfc,
             "passed": self.passed,
             "failures": self.failures,
+            "mode": self.mode,
+            "judged_by": self.judged_by,
+            "absolute_ratio": self.absolute_ratio,
+            "absolute_failures": self.absolute_failures,
+            "truth": (
+                self.attribution.as_dict()
+                if self.attribution is not None
+                else {"available": False, "reason": self.no_truth}
+            ),
         }
+
+
+def percent(share: float) -> str:
+    """A share as a percentage with two significant digits: 1/32768 → `0.0031%`."""
+    digits = np.format_float_positional(100 * share, precision=2, unique=False, fractional=False, trim="-")
+    return f"{digits}%"
+
+
+def _nrmse(error: np.ndarray, reference: np.ndarray) -> float:
+    ref_norm = float(np.sqrt(np.sum(reference * reference)))
+    err_norm = float(np.sqrt(np.sum(error * error)))
+    return err_norm / ref_norm if ref_norm > 0 else (0.0 if err_norm == 0 else float("inf"))
+
+
+def _nrmse_rows(
+    tolerance: Tolerance, axes: tuple[str, ...], rows: int, seq_lens: Sequence[int] | None
+) -> np.ndarray:
+    """Which rows of the leading axis the nRMSE limit applies to (`Tolerance.gates_nrmse`): a per-token
+    result by its number of rows, a per-sequence one (states) by the tokens of each sequence."""
+    if axes[:1] == ("seq",) and seq_lens is not None:
+        if len(seq_lens) != rows:
+            raise ValueError(f"{len(seq_lens)} sequence lengths for a result of {rows} sequences")
+        return np.array([tolerance.gates_nrmse(int(n)) for n in seq_lens], bool)
+    if axes[:1] == ("token",):
+        return np.full(rows, tolerance.gates_nrmse(rows))
+    return np.full(rows, tolerance.max_nrmse is not None)
 
 
 def _elementwise(error: np.ndarray, reference: np.ndarray, tolerance: Tolerance) -> tuple[np.ndarray, int]:
@@ -83,11 +279,14 @@ def compare(
     rfc_tolerance: Tolerance,
     axes: tuple[str, ...] = (),
     positions: dict[str, np.ndarray] | None = None,
+    seq_lens: Sequence[int] | None = None,
 ) -> Comparison:
     """Compare `actual` with the reference `expected`.
 
     `axes` names the dimensions for the worst element's position; `positions` maps an axis to the
-    original index of each of its entries, for results that are a selection of rows.
+    original index of each of its entries, for results that are a selection of rows; `seq_lens` the
+    tokens of each sequence, for a result over sequences (axis `seq`: states), whose nRMSE limit then
+    applies to the states of the sequences long enough (`Tolerance.gates_nrmse`).
     """
     a = np.asarray(actual, dtype=np.float64)
     b = np.asarray(expected, dtype=np.float64)
@@ -109,9 +308,7 @@ def compare(
     names = axes if len(axes) == a.ndim else tuple(f"dim{i}" for i in range(a.ndim))
     positions = positions or {}
     nonzero = b != 0
-    ref_norm = float(np.sqrt(np.sum(b * b)))
-    err_norm = float(np.sqrt(np.sum(error * error)))
-    nrmse = err_norm / ref_norm if ref_norm > 0 else (0.0 if err_norm == 0 else float("inf"))
+    gated_rows = _nrmse_rows(tolerance, names, a.shape[0], seq_lens)
     comparison = Comparison(
         shape=a.shape,
         max_abs=float(error.max()),
@@ -119,7 +316,7 @@ def compare(
         n_outside=n_outside,
         share_outside=n_outside / a.size,
         margin=float(ratio.max()),
-        nrmse=nrmse,
+        nrmse=_nrmse(error, b),
         nonfinite=nonfinite,
         worst={
             "index": {
@@ -130,7 +327,8 @@ def compare(
             "expected": float(b.flat[flat_worst]),
         },
         tolerance=tolerance,
-        nrmse_gated=tolerance.gates_nrmse(a.shape[0] if names[:1] == ("token",) else None),
+        nrmse_gated=bool(gated_rows.any()),
+        gated_nrmse=_nrmse(error[gated_rows], b[gated_rows]) if gated_rows.any() else None,
         rfc={
             **rfc_tolerance.as_dict(),
             "n_outside": rfc_outside,
@@ -140,7 +338,26 @@ def compare(
         },
         failures=[],
     )
-    comparison.failures = _failures(comparison)
+    comparison.absolute_failures = comparison.failures = _failures(comparison)
+    return comparison
+
+
+def judge(
+    comparison: Comparison, mode: str, attribution: Attribution | None, no_truth: str | None = None
+) -> Comparison:
+    """Decide `comparison` by the gate `mode` (`tolerances.GATE_MODES`), given its truth attribution
+    (None, with `no_truth` saying why, when there is no truth: then the absolute gate decides)."""
+    comparison.mode, comparison.attribution, comparison.no_truth = mode, attribution, no_truth
+    if not comparison.usable:
+        return comparison
+    failures = []
+    if comparison.judged_by != "relative":
+        failures += comparison.absolute_failures
+    elif comparison.nonfinite:
+        failures.append(f"{comparison.nonfinite} NaN/Inf value(s) in the result")
+    if comparison.judged_by != "absolute":
+        failures += [f"relative to the reference: {reason}" for reason in attribution.relative_failures]
+    comparison.failures = failures
     return comparison
 
 
@@ -152,12 +369,13 @@ def _failures(c: Comparison) -> list[str]:
     if c.n_outside:
         where = ", ".join(f"{name} {i}" for name, i in c.worst["index"].items())
         failures.append(
-            f"{c.n_outside} of {int(np.prod(c.shape))} elements ({c.share_outside:.2%}) outside "
+            f"{c.n_outside} of {int(np.prod(c.shape))} elements ({percent(c.share_outside)}) outside "
             f"{tol.atol:g} + {tol.rtol:g}*|ref|; worst at {where}: got {c.worst['actual']:.6g}, "
             f"expected {c.worst['expected']:.6g} (margin {c.margin:.3g})"
         )
-    if c.nrmse_gated and not c.nrmse <= tol.max_nrmse:
-        failures.append(f"normalised RMSE {c.nrmse:.3g} > {tol.max_nrmse:g}")
+    if c.nrmse_gated and not c.gated_nrmse <= tol.max_nrmse:
+        over = "" if c.gated_nrmse == c.nrmse else f" over the sequences of >= {tol.nrmse_min_tokens} tokens"
+        failures.append(f"normalised RMSE {c.gated_nrmse:.3g} > {tol.max_nrmse:g}{over}")
     return failures
 
 
@@ -177,4 +395,6 @@ def _unusable(shape: tuple[int, ...], tolerance: Tolerance, reason: str) -> Comp
         nrmse_gated=False,
         rfc={},
         failures=[reason],
+        absolute_failures=[reason],
+        usable=False,
     )

@@ -9,21 +9,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import io
 import json
+import math
 import posixpath
-import zipfile
+import re
 from typing import Any
 
 import fsspec
 import numpy as np
 
+from conformance.safe_npz import NpzError, load_npz
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig
+from kda_spec.remote import LocationError, open_location
 
 # Result names a case file may hold (without the `_bf16` suffix); `out` is stored as out_fp32/out_bf16.
 _RESULT_NAMES = (*fmt.KERNEL_KEYS, *fmt.INTERMEDIATE_KEYS, *fmt.OPTIONAL_KEYS)
 _REQUIRED_CASE_FIELDS = ("id", "file", "sha256", "seq_lens")
+_CONFIG_INT_FIELDS = ("hidden_size", "num_heads", "head_dim", "conv_size")
+_LAYER_KERNEL_PATHS = ("chunk", "fused_recurrent")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class DumpError(Exception):
@@ -101,16 +106,17 @@ class DumpSet:
         self.url = url
         self._fs, self._root = _open_filesystem(url)
         manifest_bytes = self._read(fmt.MANIFEST_FILE)
+        where = self._where(fmt.MANIFEST_FILE)
         try:
             manifest = json.loads(manifest_bytes)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise DumpError(f"{self._where(fmt.MANIFEST_FILE)}: not valid JSON ({err})") from None
-        self.manifest: dict[str, Any] = _check_header(manifest, self._where(fmt.MANIFEST_FILE))
-        try:
-            self.config = KDAConfig.from_manifest(manifest.get("config") or {})
-        except ValueError as err:
-            raise DumpError(f"{self._where(fmt.MANIFEST_FILE)}: {err}") from None
-        self.cases: dict[str, CaseInfo] = _parse_cases(manifest, self._where(fmt.MANIFEST_FILE))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+            raise DumpError(f"{where}: not valid JSON ({err})") from None
+        # The manifest's own sha256: reports record it, so that the gate compares like with like.
+        self.manifest_sha256 = fmt.sha256_bytes(manifest_bytes)
+        self.manifest: dict[str, Any] = _check_header(manifest, where)
+        self.config = _parse_config(manifest.get("config"), where)
+        self.weights_file, self.weights_sha256 = _parse_weights_block(manifest.get("weights"), where)
+        self.cases: dict[str, CaseInfo] = _parse_cases(manifest, where)
 
     # ------------------------------------------------------------------------------------------- files
 
@@ -140,21 +146,17 @@ class DumpSet:
                 f"{self._where(relpath)}: sha256 mismatch: manifest expects {sha256}, file has {found}"
             )
         try:
-            with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-                return {key: npz[key] for key in npz.files}
-        except (ValueError, OSError, zipfile.BadZipFile) as err:
-            raise DumpError(f"{self._where(relpath)}: not a readable .npz file ({err})") from None
+            return load_npz(data)
+        except NpzError as err:
+            raise DumpError(f"{self._where(relpath)}: {err}") from None
 
     # ------------------------------------------------------------------------------------------ content
 
     def weights(self) -> dict[str, np.ndarray]:
         """The float32 weights by HF name, after checking checksum, names, dtypes and shapes."""
-        block = self.manifest.get("weights") or {}
-        relpath = block.get("file", fmt.WEIGHTS_FILE)
+        relpath = self.weights_file
         where = self._where(relpath)
-        if "sha256" not in block:
-            raise DumpError(f"{self._where(fmt.MANIFEST_FILE)}: 'weights' block has no 'sha256'")
-        arrays = self._read_verified_npz(relpath, block["sha256"])
+        arrays = self._read_verified_npz(relpath, self.weights_sha256)
         expected = fmt.weight_shapes(self.config.to_manifest())
         missing = sorted(set(expected) - set(arrays))
         if missing:
@@ -197,14 +199,12 @@ class DumpSet:
 
 
 def _open_filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem and root path of `url`; a remote set is cached locally so each file is fetched once."""
-    is_remote = "://" in url and not url.startswith(("file://", "memory://", "simplecache::"))
+    """The filesystem and root path of `url`; a remote set is cached locally so each file is fetched once.
+    An unreachable `gs://` host is reported within seconds, on one line (`kda_spec.remote`)."""
     try:
-        return fsspec.core.url_to_fs(f"simplecache::{url}" if is_remote else url)
-    except ImportError as err:
-        raise DumpError(f"{url}: cannot open ({err}); for gs:// install gcsfs (pip install gcsfs)") from None
-    except ValueError as err:
-        raise DumpError(f"{url}: cannot open ({err})") from None
+        return open_location(url, cached=True)
+    except LocationError as err:
+        raise DumpError(str(err)) from None
 
 
 def _check_header(manifest: Any, where: str) -> dict[str, Any]:
@@ -222,6 +222,57 @@ def _check_header(manifest: Any, where: str) -> dict[str, Any]:
     return manifest
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_config(block: Any, where: str) -> KDAConfig:
+    """The manifest's `config` block, every field of the right type, as a KDAConfig."""
+    if not isinstance(block, dict):
+        raise DumpError(f"{where}: 'config' must be an object, found {block!r}")
+    for field in _CONFIG_INT_FIELDS:
+        if field in block and not _is_int(block[field]):
+            raise DumpError(f"{where}: config.{field} must be an integer, found {block[field]!r}")
+    eps = block.get("rms_norm_eps", 1.0)
+    if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps)):
+        raise DumpError(f"{where}: config.rms_norm_eps must be a finite number, found {eps!r}")
+    if not isinstance(block.get("preset", ""), str):
+        raise DumpError(f"{where}: config.preset must be a string, found {block['preset']!r}")
+    try:
+        return KDAConfig.from_manifest(block)
+    except ValueError as err:
+        raise DumpError(f"{where}: {err}") from None
+
+
+def _relative_path(value: Any, label: str) -> str:
+    """`value` if it is a relative POSIX path that stays inside the set, else a DumpError naming it."""
+    if not isinstance(value, str) or not value:
+        raise DumpError(f"{label} must be a non-empty string, found {value!r}")
+    parts = value.split("/")
+    if value.startswith("/") or "\\" in value or ":" in value or any(p in ("", ".", "..") for p in parts):
+        raise DumpError(
+            f"{label} must be a relative path inside the set (no leading '/', '..', '\\', drive "
+            f"letter or URL scheme), found {value!r}"
+        )
+    return value
+
+
+def _sha256(value: Any, label: str) -> str:
+    if not (isinstance(value, str) and _SHA256.fullmatch(value)):
+        raise DumpError(f"{label} must be a sha256 (64 lowercase hex digits), found {value!r}")
+    return value
+
+
+def _parse_weights_block(block: Any, where: str) -> tuple[str, str]:
+    """(file, sha256) of the manifest's `weights` block."""
+    if not isinstance(block, dict):
+        raise DumpError(f"{where}: 'weights' must be an object, found {block!r}")
+    if "sha256" not in block:
+        raise DumpError(f"{where}: 'weights' block has no 'sha256'")
+    relpath = _relative_path(block.get("file", fmt.WEIGHTS_FILE), f"{where}: weights.file")
+    return relpath, _sha256(block["sha256"], f"{where}: weights.sha256")
+
+
 def _parse_cases(manifest: dict[str, Any], where: str) -> dict[str, CaseInfo]:
     entries = manifest.get("cases")
     if not isinstance(entries, list) or not entries:
@@ -234,20 +285,32 @@ def _parse_cases(manifest: dict[str, Any], where: str) -> dict[str, CaseInfo]:
         missing = [field for field in _REQUIRED_CASE_FIELDS if field not in entry]
         if missing:
             raise DumpError(f"{label}: missing field(s) {missing}")
-        file = str(entry["file"])
-        if file.startswith("/") or ".." in file.split("/"):
-            raise DumpError(f"{label}: 'file' must be a path inside the set, found {file!r}")
-        seq_lens = tuple(entry["seq_lens"])
-        if not seq_lens or not all(isinstance(n, int) and n > 0 for n in seq_lens):
-            raise DumpError(f"{label}: 'seq_lens' must be positive integers, found {entry['seq_lens']!r}")
+        case_id = entry["id"]
+        if not isinstance(case_id, str) or not case_id:
+            raise DumpError(f"{label}: 'id' must be a non-empty string, found {case_id!r}")
+        seq_lens = entry["seq_lens"]
+        if not (isinstance(seq_lens, list) and seq_lens and all(_is_int(n) and n > 0 for n in seq_lens)):
+            raise DumpError(f"{label}: 'seq_lens' must be a list of positive integers, found {seq_lens!r}")
+        initial_state = entry.get("initial_state", False)
+        if not isinstance(initial_state, bool):
+            raise DumpError(f"{label}: 'initial_state' must be true or false, found {initial_state!r}")
+        kernel_path = entry.get("layer_kernel_path", "chunk")
+        if kernel_path not in _LAYER_KERNEL_PATHS:
+            raise DumpError(
+                f"{label}: 'layer_kernel_path' must be one of {list(_LAYER_KERNEL_PATHS)}, "
+                f"found {kernel_path!r}"
+            )
+        keys = entry.get("keys", [])
+        if not (isinstance(keys, list) and all(isinstance(key, str) for key in keys)):
+            raise DumpError(f"{label}: 'keys' must be a list of strings, found {keys!r}")
         info = CaseInfo(
-            case_id=str(entry["id"]),
-            file=file,
-            sha256=str(entry["sha256"]),
-            seq_lens=seq_lens,
-            initial_state=bool(entry.get("initial_state", False)),
-            layer_kernel_path=str(entry.get("layer_kernel_path", "chunk")),
-            keys=tuple(entry.get("keys", ())),
+            case_id=case_id,
+            file=_relative_path(entry["file"], f"{label}: 'file'"),
+            sha256=_sha256(entry["sha256"], f"{label}: 'sha256'"),
+            seq_lens=tuple(seq_lens),
+            initial_state=initial_state,
+            layer_kernel_path=kernel_path,
+            keys=tuple(keys),
         )
         if info.case_id in cases:
             raise DumpError(f"{label}: case id {info.case_id!r} appears twice")
@@ -273,6 +336,15 @@ def _check_case_arrays(
     block = config.to_manifest()
     arrays: dict[str, np.ndarray] = {}
     for key, array in raw.items():
+        truth = fmt.split_truth_key(key)
+        if truth is not None:  # a float64 truth (conformance/truth.py), kept in float64
+            if array.dtype != np.float64:
+                raise DumpError(f"{where}: key {key!r}: expected dtype float64, found {array.dtype}")
+            shape = fmt.expected_shape(truth[0], tokens=tokens, num_seqs=num_seqs, config=block)
+            if array.shape != shape:
+                raise DumpError(f"{where}: key {key!r}: expected shape {shape}, found {array.shape}")
+            arrays[key] = array
+            continue
         parsed = split_key(key)
         if parsed is None and key not in fmt.INPUT_KEYS:
             continue  # a key a newer writer added; not ours to judge

@@ -5,19 +5,26 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import importlib.metadata
+import io
 import json
 import math
 import platform
 from pathlib import Path
 from typing import Any
 
+import rich.box
+import rich.console
+import rich.table
+import tabulate
+
 from conformance.checks import GROUPS, CheckSpec
-from conformance.metrics import Comparison
+from conformance.metrics import VERDICTS, Comparison, percent
 
 REPORT_FORMAT = "kda-conformance-report"
 REPORT_VERSION = 1
 STATUSES = ("passed", "failed", "error", "skipped")
 _VERSIONED_PACKAGES = ("kda-conformance", "jax", "jaxlib", "flax", "numpy", "ml_dtypes")
+_TEXT_WIDTH = 240  # wide enough that a table row never wraps in a log
 
 
 @dataclasses.dataclass
@@ -117,6 +124,18 @@ def _number(value: Any, digits: int = 3) -> str:
     return f"{value:.{digits}g}"
 
 
+def _exponent(value: float) -> str:
+    """0.001 → 1e-3, 2.5e-05 → 2.5e-5: a limit as the RFC writes it."""
+    mantissa, _, exponent = f"{value:e}".partition("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def _limit(tolerance: dict[str, Any]) -> str:
+    """An element-wise tolerance in one short label: `1e-3`, or `1e-3 + 2e-3·|b|` when atol ≠ rtol."""
+    atol, rtol = tolerance["atol"], tolerance["rtol"]
+    return _exponent(atol) if atol == rtol else f"{_exponent(atol)} + {_exponent(rtol)}·|b|"
+
+
 def _cell(checks: list[dict[str, Any]]) -> str:
     """One group of checks as one cell: its worst ratio to the limit and a verdict."""
     if not checks:
@@ -135,38 +154,43 @@ def _cell(checks: list[dict[str, Any]]) -> str:
 
 
 def summary_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """The case × check-group table: header and rows."""
+    """The case × check-group table: header and rows; the last column is the RFC's tolerance of the
+    row's dtype and what it would say."""
     rows: dict[tuple[str, str], dict[str, list]] = {}
     for check in report["checks"]:
         rows.setdefault((check["case"], check["dtype"]), {}).setdefault(check["group"], []).append(check)
-    header = ["case", "dtype", *GROUPS, "RFC 1e-3"]
+    rfc = report["tolerances"]["rfc"]
+    header = ["case", "dtype", *GROUPS, "RFC tolerance"]
     body = [
-        [case, dtype, *(_cell(groups.get(g, [])) for g in GROUPS), _rfc_cell(groups)]
+        [case, dtype, *(_cell(groups.get(g, [])) for g in GROUPS), _rfc_cell(groups, rfc[dtype])]
         for (case, dtype), groups in rows.items()
     ]
     return header, body
 
 
-def _rfc_cell(groups: dict[str, list[dict[str, Any]]]) -> str:
-    """How many of the compared checks the RFC's own element-wise tolerance would fail."""
+def _rfc_cell(groups: dict[str, list[dict[str, Any]]], tolerance: dict[str, Any]) -> str:
+    """The RFC's tolerance, and how many of the compared checks it would fail."""
     compared = [c["metrics"]["rfc"] for checks in groups.values() for c in checks if c["metrics"]]
     outside = sum(not rfc.get("passed", False) for rfc in compared)
-    return f"{outside}/{len(compared)} out" if outside else "holds"
+    return f"{_limit(tolerance)}: " + (f"{outside}/{len(compared)} out" if outside else "holds")
 
 
 def format_text_table(header: list[str], body: list[list[str]]) -> list[str]:
-    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
-    lines = [
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in [header, *body]
-    ]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    return lines
+    """A plain-text table (rich, no colour), one string per line."""
+    table = rich.table.Table(box=rich.box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for name in header:
+        table.add_column(name, overflow="fold")
+    for row in body:
+        table.add_row(*row)
+    text = io.StringIO()
+    rich.console.Console(file=text, width=_TEXT_WIDTH, color_system=None, highlight=False).print(table)
+    return [line.rstrip() for line in text.getvalue().splitlines()]
 
 
 def _markdown_table(header: list[str], body: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in body]
-    return lines
+    """A GitHub Markdown table (tabulate), `|` inside a cell escaped."""
+    cells = [[cell.replace("|", "\\|") for cell in row] for row in body]
+    return tabulate.tabulate(cells, headers=header, tablefmt="github", disable_numparse=True).splitlines()
 
 
 def _kernels_used(by_dtype: dict[str, str]) -> str:
@@ -179,7 +203,7 @@ def _kernels_used(by_dtype: dict[str, str]) -> str:
 def _share(count: int | None, share: Any) -> str:
     if count is None or not isinstance(share, float):
         return ""
-    return f"{count} ({share:.2%})"
+    return f"{count} ({percent(share)})"
 
 
 def _where(metrics: dict[str, Any]) -> str:
@@ -192,8 +216,9 @@ def terminal_lines(report: dict[str, Any]) -> list[str]:
     lines = format_text_table(header, body)
     lines.append(
         "cells: worst ratio to the gate's limit in the group (<= 1 holds), ok* = some skipped; "
-        "RFC 1e-3: checks outside the RFC's tolerance (reported, not gated)"
+        "RFC tolerance: the RFC's limit for the row's dtype and the checks outside it (reported, not gated)"
     )
+    lines.append(f"attribution against the float64 truth: {attribution_rows(report)[1][-1][-1]}")
     bad = [check for check in report["checks"] if check["status"] in ("failed", "error")]
     lines += [f"{check['status'].upper()} {check['id']}: {check['message']}" for check in bad]
     counts = report["summary"]
@@ -227,8 +252,9 @@ def markdown(report: dict[str, Any]) -> str:
         "## Summary",
         "",
         "Each cell: the worst ratio of a result's error to the gate's limit in that group of checks "
-        "(<= 1 holds); ok* means some checks of the group were skipped. RFC 1e-3: how many checks the "
-        "RFC's own tolerance would fail (reported, not gated; see docs/tolerance-policy.md).",
+        "(<= 1 holds); ok* means some checks of the group were skipped. RFC tolerance: the RFC's "
+        "element-wise limit for the row's dtype (fp32 1e-5, bf16 1e-3) and how many checks it would "
+        "fail (reported, not gated; see docs/tolerance-policy.md).",
         "",
         *_markdown_table(*summary_rows(report)),
     ]
@@ -244,15 +270,21 @@ def markdown(report: dict[str, Any]) -> str:
             for c in close
         ]
         lines += ["", "</details>"]
+    lines += ["", "## Attribution against the float64 truth", "", ATTRIBUTION_NOTE, ""]
+    lines += _markdown_table(*attribution_rows(report))
     lines += ["", "## Every check", "", "<details><summary>numbers</summary>", ""]
     header = [
         "check",
         "status",
+        "gate",
         "max abs",
         "max rel",
         "outside",
         "margin",
         "nRMSE",
+        "impl vs truth",
+        "reference vs truth",
+        "verdict",
         "RFC outside",
         "RFC margin",
         "worst at",
@@ -261,15 +293,20 @@ def markdown(report: dict[str, Any]) -> str:
     for check in report["checks"]:
         metrics = check["metrics"] or {}
         rfc = metrics.get("rfc", {})
+        truth = metrics.get("truth", {})
         body.append(
             [
                 check["id"],
                 check["status"] if check["status"] != "skipped" else f"skipped: {check['message']}",
+                metrics.get("judged_by", ""),
                 _number(metrics.get("max_abs")),
                 _number(metrics.get("max_rel")),
                 _share(metrics.get("n_outside"), metrics.get("share_outside")),
                 _number(metrics.get("margin")),
                 _number(metrics.get("nrmse")),
+                _truth_error(truth, "impl") if metrics else "",
+                _truth_error(truth, "reference") if metrics else "",
+                _verdict(truth) if metrics else "",
                 _share(rfc.get("n_outside"), rfc.get("share_outside")),
                 _number(rfc.get("margin")),
                 _where(metrics) if metrics else "",
@@ -277,3 +314,53 @@ def markdown(report: dict[str, Any]) -> str:
         )
     lines += [*_markdown_table(header, body), "", "</details>", ""]
     return "\n".join(lines)
+
+
+ATTRIBUTION_NOTE = (
+    "Each compared check's two sides against the float64 truth (the dump's, or for the kernels a "
+    "float64 recurrence on the dumped inputs): margin under the check's tolerance and nRMSE of the "
+    "implementation and of the reference, and who the difference comes from: `impl`, `reference`, "
+    "`both`, or `conditioning` (equally close to the truth; docs/tolerance-policy.md). `n/a`: the dump "
+    "has no truth for it, and the absolute gate alone decides. Gate: which gate decided the check."
+)
+
+
+def _truth_error(truth: dict[str, Any], side: str) -> str:
+    """One side's error against the truth: `margin / nRMSE`, or `n/a` without a truth."""
+    if not truth.get("available"):
+        return "n/a"
+    error = truth[side]
+    return f"{_number(error['margin'])} / {_number(error['nrmse'])}"
+
+
+def _verdict(truth: dict[str, Any]) -> str:
+    return truth["verdict"] if truth.get("available") else f"n/a ({truth.get('reason', 'no truth')})"
+
+
+def attribution_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The failed checks and those a side is clearly worse in, with both sides' errors against the
+    truth; then one row counting each verdict over every compared check."""
+    header = ["check", "status", "gate", "gate ratio", "impl vs truth", "reference vs truth", "verdict"]
+    body, counts = [], dict.fromkeys([*VERDICTS, "n/a"], 0)
+    for check in report["checks"]:
+        metrics = check["metrics"]
+        if not metrics:
+            continue
+        truth = metrics.get("truth", {})
+        verdict = truth["verdict"] if truth.get("available") else "n/a"
+        counts[verdict] += 1
+        if check["status"] == "failed" or verdict in ("impl", "reference", "both"):
+            body.append(
+                [
+                    check["id"],
+                    check["status"],
+                    metrics.get("judged_by", "absolute"),
+                    _number(metrics.get("gate_ratio")),
+                    _truth_error(truth, "impl"),
+                    _truth_error(truth, "reference"),
+                    _verdict(truth),
+                ]
+            )
+    tally = ", ".join(f"{n} {verdict}" for verdict, n in counts.items() if n)
+    body.append(["every compared check", "", "", "", "", "", tally or "none"])
+    return header, body

@@ -4,26 +4,26 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
+import tomllib
 from pathlib import Path
 from typing import Any
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
 
 from kda_spec.dump_format import DTYPES
 
 DEFAULT_POLICY_FILE = Path(__file__).with_name("tolerances.toml")
 _LIMIT_FIELDS = ("atol", "rtol", "max_nrmse", "nrmse_min_tokens")
+RELATIVE_FIELDS = ("factor", "margin_floor", "nrmse_floor")
+# Which gate decides a check: the absolute limits, the relative one (against the float64 truth), or both.
+GATE_MODES = ("absolute", "relative", "absolute+relative")
 
 
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
     """Element-wise `|a - b| <= atol + rtol * |b|`, and `‖a - b‖₂ / ‖b‖₂ <= max_nrmse` where set.
 
-    The nRMSE limit applies to results of at least `nrmse_min_tokens` tokens (and to states, which
-    sum up every token); over fewer tokens it is reported but not gated.
+    The nRMSE limit applies to what at least `nrmse_min_tokens` tokens produced: a per-token result of
+    that many rows, or the recurrent state of a sequence that long; below that it is reported only.
     """
 
     atol: float
@@ -32,20 +32,55 @@ class Tolerance:
     nrmse_min_tokens: int = 0
     reason: str | None = None  # why a per-check override departs from the dtype's policy
 
-    def gates_nrmse(self, tokens: int | None) -> bool:
-        """Whether the nRMSE limit holds for a result of `tokens` tokens (None: not per token)."""
-        return self.max_nrmse is not None and (tokens is None or tokens >= self.nrmse_min_tokens)
+    def gates_nrmse(self, tokens: int) -> bool:
+        """Whether the nRMSE limit holds for what `tokens` tokens produced: a per-token result of that
+        many rows, or the final state of a sequence of that many tokens."""
+        return self.max_nrmse is not None and tokens >= self.nrmse_min_tokens
 
     def __post_init__(self) -> None:
         for name in _LIMIT_FIELDS:
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and value >= 0):
-                raise ValueError(f"tolerance {name} must be a number >= 0, got {value!r}")
+            if value is not None and not (_is_finite_number(value) and value >= 0):
+                raise ValueError(f"tolerance {name} must be a finite number >= 0, got {value!r}")
+        if self.max_nrmse == 0:
+            raise ValueError("tolerance max_nrmse must be > 0 (leave it out to gate no nRMSE)")
         if self.atol == 0 and self.rtol == 0:
             raise ValueError("tolerance atol and rtol cannot both be 0")
 
     def as_dict(self) -> dict[str, Any]:
         return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
+
+
+@dataclasses.dataclass(frozen=True)
+class RelativeLimits:
+    """The relative gate: the implementation's error against the float64 truth may be at most
+    `factor` × the reference's own error against it, plus a floor: in margin (the check's
+    `atol + rtol·|truth|` shape) `impl ≤ factor·ref + margin_floor`, in nRMSE
+    `impl ≤ factor·ref + nrmse_floor`."""
+
+    factor: float
+    margin_floor: float
+    nrmse_floor: float
+
+    def __post_init__(self) -> None:
+        for name in RELATIVE_FIELDS:
+            if not (_is_finite_number(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)!r}")
+        if self.factor < 1:
+            raise ValueError(f"factor must be >= 1 (no worse than the reference), got {self.factor!r}")
+        if self.margin_floor == 0 or self.nrmse_floor == 0:
+            raise ValueError("margin_floor and nrmse_floor must be > 0 (a reference may equal the truth)")
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeRule:
+    check: str  # a check name or fnmatch pattern
+    dtype: str
+    mode: str  # one of GATE_MODES
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +96,8 @@ class TolerancePolicy:
     gate: dict[str, Tolerance]  # by dtype
     rfc: dict[str, Tolerance]  # by dtype: the RFC's numbers, reported only
     overrides: tuple[Override, ...]
+    relative: dict[str, RelativeLimits]  # by dtype
+    modes: tuple[ModeRule, ...]
     close_margin: float
     growth_factor: float
     growth_min_ratio: float
@@ -79,9 +116,17 @@ class TolerancePolicy:
                 gate={dtype: _tolerance(data, "gate", dtype) for dtype in DTYPES},
                 rfc={dtype: _tolerance(data, "rfc", dtype) for dtype in DTYPES},
                 overrides=tuple(_override(entry, i) for i, entry in enumerate(data.get("override", []))),
-                close_margin=float(data.get("report", {}).get("close_margin", 0.5)),
-                growth_factor=float(data.get("baseline", {}).get("growth_factor", 2.0)),
-                growth_min_ratio=float(data.get("baseline", {}).get("min_ratio", 0.1)),
+                relative={dtype: _relative(data, dtype) for dtype in DTYPES},
+                modes=tuple(_mode_rule(entry, i) for i, entry in enumerate(data.get("mode", []))),
+                close_margin=_non_negative(
+                    _setting(data, "report", "close_margin", 0.5), "[report] close_margin"
+                ),
+                growth_factor=check_growth_factor(
+                    _setting(data, "baseline", "growth_factor", 2.0), "[baseline] growth_factor"
+                ),
+                growth_min_ratio=_non_negative(
+                    _setting(data, "baseline", "min_ratio", 0.1), "[baseline] min_ratio"
+                ),
                 source=str(path),
             )
         except (KeyError, TypeError, ValueError) as err:
@@ -94,26 +139,65 @@ class TolerancePolicy:
                 return dataclasses.replace(self.gate[dtype], **override.limits, reason=override.reason)
         return self.gate[dtype]
 
+    def mode(self, check: str, dtype: str) -> str:
+        """Which gate decides `check` in the `dtype` run: the first `[[mode]]` rule that matches it,
+        else "absolute"."""
+        for rule in self.modes:
+            if rule.dtype == dtype and fnmatch.fnmatchcase(check, rule.check):
+                return rule.mode
+        return "absolute"
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "source": self.source,
             "gate": {dtype: tol.as_dict() for dtype, tol in self.gate.items()},
             "rfc": {dtype: tol.as_dict() for dtype, tol in self.rfc.items()},
             "overrides": [dataclasses.asdict(override) for override in self.overrides],
+            "relative": {dtype: limits.as_dict() for dtype, limits in self.relative.items()},
+            "modes": [dataclasses.asdict(rule) for rule in self.modes],
             "close_margin": self.close_margin,
             "growth_factor": self.growth_factor,
             "growth_min_ratio": self.growth_min_ratio,
         }
 
 
+def _is_finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_growth_factor(value: float, name: str) -> float:
+    """`value` if it is a finite number > 1 (an allowed growth over a baseline), else a ValueError."""
+    if not (_is_finite_number(value) and value > 1):
+        raise ValueError(f"{name} must be a finite number > 1, got {value!r}")
+    return float(value)
+
+
+def _setting(data: dict[str, Any], table: str, key: str, default: float) -> Any:
+    """The value of `[table] key`, or `default` when absent."""
+    block = data.get(table, {})
+    if not isinstance(block, dict):
+        raise ValueError(f"[{table}] must be a table, got {block!r}")
+    return block.get(key, default)
+
+
+def _non_negative(value: Any, name: str) -> float:
+    if not (_is_finite_number(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
 def _tolerance(data: dict[str, Any], table: str, dtype: str) -> Tolerance:
-    entry = data.get(table, {}).get(dtype)
+    block = data.get(table, {})
+    entry = block.get(dtype) if isinstance(block, dict) else None
     if not isinstance(entry, dict):
         raise KeyError(f"missing table [{table}.{dtype}]")
     unknown = sorted(set(entry) - set(_LIMIT_FIELDS))
     if unknown:
         raise ValueError(f"[{table}.{dtype}]: unknown field(s) {unknown}; allowed {list(_LIMIT_FIELDS)}")
-    return Tolerance(**entry)
+    try:
+        return Tolerance(**entry)
+    except ValueError as err:
+        raise ValueError(f"[{table}.{dtype}]: {err}") from None
 
 
 def _override(entry: dict[str, Any], index: int) -> Override:
@@ -128,5 +212,46 @@ def _override(entry: dict[str, Any], index: int) -> Override:
     unknown = sorted(set(entry) - {"check", "dtype", "reason", *_LIMIT_FIELDS})
     if unknown or not limits:
         raise ValueError(f"{label}: needs at least one of {list(_LIMIT_FIELDS)}; unknown field(s) {unknown}")
-    Tolerance(**{"atol": 1.0, "rtol": 1.0, **limits})  # validates the values
+    try:
+        Tolerance(**{"atol": 1.0, "rtol": 1.0, **limits})  # validates the values
+    except ValueError as err:
+        raise ValueError(f"{label} ({entry['check']!r}): {err}") from None
     return Override(check=entry["check"], dtype=entry["dtype"], limits=limits, reason=entry["reason"])
+
+
+def _relative(data: dict[str, Any], dtype: str) -> RelativeLimits:
+    block = data.get("relative", {})
+    entry = block.get(dtype) if isinstance(block, dict) else None
+    if not isinstance(entry, dict):
+        raise KeyError(f"missing table [relative.{dtype}]")
+    missing, unknown = sorted(set(RELATIVE_FIELDS) - set(entry)), sorted(set(entry) - set(RELATIVE_FIELDS))
+    if missing or unknown:
+        raise ValueError(
+            f"[relative.{dtype}]: needs {list(RELATIVE_FIELDS)}; missing {missing}, unknown {unknown}"
+        )
+    try:
+        return RelativeLimits(**entry)
+    except ValueError as err:
+        raise ValueError(f"[relative.{dtype}]: {err}") from None
+
+
+def _mode_rule(entry: Any, index: int) -> ModeRule:
+    label = f"mode[{index}]"
+    if not isinstance(entry, dict):
+        raise ValueError(f"{label}: expected a table, got {entry!r}")
+    unknown = sorted(set(entry) - {"check", "dtype", "mode", "reason"})
+    if unknown:
+        raise ValueError(f"{label}: unknown field(s) {unknown}; allowed ['check', 'dtype', 'mode', 'reason']")
+    if not isinstance(entry.get("check"), str) or not entry["check"]:
+        raise ValueError(f"{label}: 'check' (a check name or pattern) is required")
+    if entry.get("dtype") not in DTYPES:
+        raise ValueError(
+            f"{label} ({entry['check']!r}): 'dtype' must be one of {DTYPES}, got {entry.get('dtype')!r}"
+        )
+    if entry.get("mode") not in GATE_MODES:
+        raise ValueError(
+            f"{label} ({entry['check']!r}): 'mode' must be one of {GATE_MODES}, got {entry.get('mode')!r}"
+        )
+    if not str(entry.get("reason", "")).strip():
+        raise ValueError(f"{label} ({entry['check']!r}): a mode rule needs a written 'reason'")
+    return ModeRule(check=entry["check"], dtype=entry["dtype"], mode=entry["mode"], reason=entry["reason"])

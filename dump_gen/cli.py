@@ -1,21 +1,27 @@
 """`python -m dump_gen`: make a dump set from a torch reference of the KDA layer.
 
-    python -m dump_gen --out DIR_OR_URL [--preset NAME] [--reference transformers|fla|hf-hub]
+    python -m dump_gen --out DIR_OR_URL [--overwrite] [--preset NAME] [--reference transformers|fla|hf-hub]
         [--hub-snapshot DIR] [--checkpoint DIR --layer N] [--cases ID ...] [--seed N] [--device cpu|cuda]
-        [--hidden-size N] [--num-heads N] [--head-dim N] [--conv-size N] [--rms-norm-eps X] [--threads N]
+        [--weights synthetic|stress] [--hidden-size N] [--num-heads N] [--head-dim N] [--conv-size N]
+        [--rms-norm-eps X] [--threads N] [--truth-intermediates-max-tokens N]
 
-A problem the user can fix is reported on one line, with exit status 2.
+Exit status: 0 the set was written; 2 a problem the user can fix, reported on one line (a bad flag,
+checkpoint or destination, a reference that produced NaN/Inf), with the destination as it was;
+130 interrupted (Ctrl-C): a local destination as it was, a remote one as dump_gen.storage says.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 import time
 
 from dump_gen.errors import DumpError
 from dump_gen.references import REFERENCES
+from dump_gen.truth import INTERMEDIATES_MAX_TOKENS
+from dump_gen.weights import WEIGHTS_KINDS
 from kda_spec.config import PRESETS, KDAConfig, get_preset
 from kda_spec.dump_format import CASES_BY_ID, select_cases
 
@@ -32,6 +38,7 @@ _OVERRIDES = (
 @dataclasses.dataclass(frozen=True)
 class Options:
     out: str
+    overwrite: bool
     config: KDAConfig
     reference: str
     hub_snapshot: str | None
@@ -42,6 +49,8 @@ class Options:
     device: str
     threads: int
     progress: bool
+    weights: str = "synthetic"  # the synthetic kind (dump_gen.weights.WEIGHTS_KINDS) unless --checkpoint
+    truth_intermediates_max_tokens: int = INTERMEDIATES_MAX_TOKENS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--out", required=True, help="destination folder or fsspec URL (gs://bucket/prefix, memory://x)"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace the dump set already at --out (never anything else)"
     )
     parser.add_argument(
         "--preset", default="kimi-linear-48b-a3b", help=f"layer shape, one of {sorted(PRESETS)}"
@@ -67,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--seed", type=int, default=0, help="seeds the synthetic weights and every case's inputs"
     )
+    parser.add_argument(
+        "--weights",
+        default="synthetic",
+        help="synthetic weights: 'synthetic' (an initialised layer's scales) or 'stress' (decays up to "
+        "exp(A_log) = 16 and per-token g near -60: docs/dump-format.md)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument(
         "--threads",
@@ -74,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="torch CPU threads (default 1: the references are many small ops, which more threads slow down "
         "on a busy machine, and the results stay independent of the core count)",
+    )
+    parser.add_argument(
+        "--truth-intermediates-max-tokens",
+        type=int,
+        default=INTERMEDIATES_MAX_TOKENS,
+        metavar="N",
+        help="store the float64 truth of the intermediates for cases of at most N tokens (default "
+        f"{INTERMEDIATES_MAX_TOKENS}; the output's and the states' truth is stored for every case)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     for flag, field, kind in _OVERRIDES:
@@ -103,12 +129,23 @@ def parse_options(argv: list[str] | None) -> Options:
         raise DumpError(f"--device must be cpu or cuda, got {args.device!r}")
     if (args.checkpoint is None) != (args.layer is None):
         raise DumpError("--checkpoint DIR and --layer N go together")
+    if args.layer is not None and args.layer < 0:
+        raise DumpError(f"--layer must be >= 0, got {args.layer}")
     if args.seed < 0:
         raise DumpError(f"--seed must be >= 0, got {args.seed}")
+    if args.weights not in WEIGHTS_KINDS:
+        raise DumpError(f"--weights must be one of {list(WEIGHTS_KINDS)}, got {args.weights!r}")
+    if args.weights != "synthetic" and args.checkpoint is not None:
+        raise DumpError(f"--weights {args.weights} draws synthetic weights; --checkpoint reads real ones")
     if args.threads < 1:
         raise DumpError(f"--threads must be >= 1, got {args.threads}")
+    if args.truth_intermediates_max_tokens < 0:
+        raise DumpError(
+            f"--truth-intermediates-max-tokens must be >= 0, got {args.truth_intermediates_max_tokens}"
+        )
     return Options(
         out=args.out,
+        overwrite=args.overwrite,
         config=config,
         reference=args.reference,
         hub_snapshot=args.hub_snapshot,
@@ -119,41 +156,47 @@ def parse_options(argv: list[str] | None) -> Options:
         device=args.device,
         threads=args.threads,
         progress=not args.no_progress,
+        weights=args.weights,
+        truth_intermediates_max_tokens=args.truth_intermediates_max_tokens,
     )
 
 
 def run(options: Options) -> dict:
-    """Make the dump set `options` describe; returns its manifest."""
-    # torch, transformers and fla load only once the flags are known to be good.
-    import torch
+    """Make the dump set `options` describe; returns its manifest. Any exception on the way (KeyboardInterrupt
+    included) leaves the destination as it was (`DumpWriter.abort`)."""
+    # torch, transformers and fla load only once the flags and the destination are known to be good.
+    from dump_gen.storage import open_writer
 
-    from dump_gen.checkpoint import checkpoint_source, read_layer
-    from dump_gen.generate import generate
-    from dump_gen.references import make_reference
-    from dump_gen.storage import DumpWriter
-    from dump_gen.weights import synthetic_weights
+    # The destination is checked first: a refused --out costs no torch import and no reference run.
+    with open_writer(options.out, overwrite=options.overwrite) as writer:
+        import torch
 
-    if options.device == "cuda" and not torch.cuda.is_available():
-        raise DumpError(f"--device cuda: torch {torch.__version__} sees no CUDA device")
-    torch.set_num_threads(options.threads)
-    if options.checkpoint is not None:
-        weights = read_layer(options.checkpoint, options.layer, options.config)
-        source = checkpoint_source(options.checkpoint, options.layer)
-    else:
-        weights, source = synthetic_weights(options.config, options.seed), "synthetic"
-    writer = DumpWriter(options.out)
-    reference = make_reference(options.reference, options.config, options.device, options.hub_snapshot)
-    return generate(
-        writer=writer,
-        reference=reference,
-        config=options.config,
-        weights=weights,
-        weights_source=source,
-        cases=select_cases(options.case_ids),
-        seed=options.seed,
-        device=options.device,
-        progress=options.progress,
-    )
+        from dump_gen.checkpoint import checkpoint_source, read_layer
+        from dump_gen.generate import generate
+        from dump_gen.references import make_reference
+
+        if options.device == "cuda" and not torch.cuda.is_available():
+            raise DumpError(f"--device cuda: torch {torch.__version__} sees no CUDA device")
+        torch.set_num_threads(options.threads)
+        if options.checkpoint is not None:
+            weights = read_layer(options.checkpoint, options.layer, options.config)
+            source = checkpoint_source(options.checkpoint, options.layer)
+        else:
+            weights = WEIGHTS_KINDS[options.weights](options.config, options.seed)
+            source = "synthetic" if options.weights == "synthetic" else f"synthetic-{options.weights}"
+        reference = make_reference(options.reference, options.config, options.device, options.hub_snapshot)
+        return generate(
+            writer=writer,
+            reference=reference,
+            config=options.config,
+            weights=weights,
+            weights_source=source,
+            cases=select_cases(options.case_ids),
+            seed=options.seed,
+            device=options.device,
+            progress=options.progress,
+            truth_intermediates_max_tokens=options.truth_intermediates_max_tokens,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,6 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     except DumpError as err:
         print(f"dump_gen: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(
+            "dump_gen: interrupted; no new set was written (a local --out is as it was, "
+            "a remote one keeps its old manifest)",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGINT
     print(
         f"dump_gen: wrote {len(manifest['cases'])} cases ({options.reference}, {options.device}) "
         f"to {options.out} in {time.perf_counter() - start:.1f} s"

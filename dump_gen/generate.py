@@ -1,5 +1,6 @@
 """One dump set, case by case: run the reference in fp32 and bf16, both kernel paths on its own q, k, v,
-g, beta, and write the arrays, the weights and (last) the manifest.
+g, beta, the float64 truth of both runs (dump_gen.truth), and write the arrays, the weights and (last)
+the manifest. Non-finite weights or results are refused: a reference holding NaN or Inf is no reference.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from dump_gen.errors import DumpError
 from dump_gen.inputs import CaseInputs, case_inputs
 from dump_gen.kernels import PATHS, KernelBackend, kernel_backend
 from dump_gen.references.base import LayerRunner, Reference
 from dump_gen.storage import DumpWriter, npz_bytes
+from dump_gen.truth import IMPLEMENTATION as TRUTH_IMPLEMENTATION
+from dump_gen.truth import INTERMEDIATES_MAX_TOKENS, layer_truth
 from kda_spec.config import KDAConfig
 from kda_spec.dump_format import (
     FORMAT_NAME,
@@ -25,14 +29,22 @@ from kda_spec.dump_format import (
     INTERMEDIATE_KEYS,
     KERNEL_KEYS,
     OUTPUT_KEY,
+    TRUTH_DTYPE,
+    TRUTH_NAMES,
     WEIGHTS_FILE,
     CaseSpec,
+    decode_array,
     expected_shape,
     result_key,
+    truth_key,
 )
+from kda_spec.weight_names import FP32_WEIGHTS
 
 RUN_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RESULT_ORDER = (OUTPUT_KEY, *KERNEL_KEYS, *INTERMEDIATE_KEYS)
+# The truth of the output and the final states is stored for every case, that of the intermediates for
+# cases of at most `truth_intermediates_max_tokens` (dump_gen.truth.INTERMEDIATES_MAX_TOKENS).
+TRUTH_ALWAYS = (OUTPUT_KEY, "recurrent_state")
 
 
 def generator_name() -> str:
@@ -58,6 +70,13 @@ def stored_array(name: str, tensor: torch.Tensor, dtype: str) -> np.ndarray:
     return tensor.float().contiguous().numpy()
 
 
+def check_finite(array: np.ndarray, what: str) -> None:
+    """A DumpError naming `what` when `array` (float32 values or bf16 bits) holds NaN or Inf."""
+    bad = int(np.count_nonzero(~np.isfinite(decode_array(array))))
+    if bad:
+        raise DumpError(f"{what} holds NaN or Inf ({bad} of {array.size} values); refusing to write it")
+
+
 def run_dtype(
     runner: LayerRunner, kernels: KernelBackend, inputs: CaseInputs, dtype: str, device: str
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -75,6 +94,52 @@ def run_dtype(
             results[f"recurrent_state_{path}"] = kernel.final_state
     results.update(layer.intermediates)
     return results, layer.kernel_paths
+
+
+def bf16_rounded(array: np.ndarray) -> np.ndarray:
+    """float32 `array` rounded to bf16 as the bf16 run rounds it (torch's cast: to nearest even)."""
+    return torch.from_numpy(array).to(torch.bfloat16).float().numpy()
+
+
+def run_weights(weights: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
+    """The weights the `dtype` run computes with: in the bf16 run rounded to bf16, except FP32_WEIGHTS."""
+    if dtype == "fp32":
+        return weights
+    return {name: array if name in FP32_WEIGHTS else bf16_rounded(array) for name, array in weights.items()}
+
+
+def truth_names(case: CaseSpec, intermediates_max_tokens: int) -> tuple[str, ...]:
+    """The truth names stored for `case`: all of them for a short case, the output and states otherwise."""
+    return TRUTH_NAMES if case.total_tokens <= intermediates_max_tokens else TRUTH_ALWAYS
+
+
+def truth_arrays(
+    case: CaseSpec,
+    inputs: CaseInputs,
+    weights_by_dtype: dict[str, dict[str, np.ndarray]],
+    config: KDAConfig,
+    names: tuple[str, ...],
+) -> dict[str, np.ndarray]:
+    """The float64 truth of each run of `case`, from exactly the hidden states and weights that run saw
+    (the initial state stays float32 in both runs), under its `truth_key`s."""
+    shape_config = config.to_manifest()
+    arrays = {}
+    for dtype, weights in weights_by_dtype.items():
+        hidden = inputs.hidden_states if dtype == "fp32" else bf16_rounded(inputs.hidden_states)
+        results = layer_truth(weights, hidden, inputs.cu_seqlens, inputs.initial_state, config)
+        for name in names:
+            key, array = truth_key(name, dtype), results[name]
+            shape = expected_shape(
+                name, tokens=case.total_tokens, num_seqs=len(case.seq_lens), config=shape_config
+            )
+            if array.shape != shape or array.dtype != np.float64:
+                raise RuntimeError(
+                    f"case {case.case_id}: truth {key!r} is {array.dtype} {array.shape}, expected "
+                    f"float64 {shape}"
+                )
+            check_finite(array, f"case {case.case_id}: truth {key!r}")
+            arrays[key] = array
+    return arrays
 
 
 def case_arrays(
@@ -102,7 +167,9 @@ def case_arrays(
                 raise RuntimeError(
                     f"case {case.case_id}: {dtype} result {name!r} has shape {array.shape}, expected {shape}"
                 )
-            arrays[result_key(name, dtype)] = array
+            key = result_key(name, dtype)
+            check_finite(array, f"case {case.case_id}: reference result {key!r}")
+            arrays[key] = array
     if len({tuple(paths) for paths in paths_by_dtype.values()}) != 1:
         raise RuntimeError(
             f"case {case.case_id}: the layer took different kernels per dtype: {paths_by_dtype}"
@@ -129,18 +196,26 @@ def generate(
     seed: int,
     device: str,
     progress: bool = True,
+    truth_intermediates_max_tokens: int = INTERMEDIATES_MAX_TOKENS,
 ) -> dict[str, Any]:
-    """Write one dump set of `cases` to `writer`; returns the manifest, written last."""
-    writer.begin()
+    """Write one dump set of `cases` to `writer`; returns the manifest, written last. The caller holds
+    `writer` as a context manager, so that whatever stops the run (an error, Ctrl-C) undoes what it wrote."""
+    for name, array in weights.items():
+        check_finite(array, f"weight {name!r} ({weights_source})")
     weights_sha = writer.write(WEIGHTS_FILE, npz_bytes(weights))
     kernels = kernel_backend(device)
     runners = {dtype: reference.build(weights, torch_dtype) for dtype, torch_dtype in RUN_DTYPES.items()}
+    truth_weights = {dtype: run_weights(weights, dtype) for dtype in RUN_DTYPES}
+    stored_truth: set[str] = set()
     entries = []
     bar = tqdm(cases, desc="dump", unit="case", disable=not progress)
     for case in bar:
         bar.set_postfix_str(case.case_id)
         inputs = case_inputs(case, config, seed)
         arrays, paths = case_arrays(case, inputs, runners, kernels, config, device)
+        names = truth_names(case, truth_intermediates_max_tokens)
+        arrays.update(truth_arrays(case, inputs, truth_weights, config, names))
+        stored_truth.update(names)
         entries.append(
             {
                 "id": case.case_id,
@@ -162,7 +237,13 @@ def generate(
         "weights": {"file": WEIGHTS_FILE, "sha256": weights_sha, "source": weights_source},
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "generator": generator_name(),
+        "truth": {
+            "dtype": TRUTH_DTYPE,
+            "implementation": TRUTH_IMPLEMENTATION,
+            "names": [name for name in TRUTH_NAMES if name in stored_truth],
+            "intermediates_max_tokens": truth_intermediates_max_tokens,
+        },
         "cases": entries,
     }
-    writer.finish(manifest)
+    writer.commit(manifest)
     return manifest

@@ -12,9 +12,9 @@ import itertools
 import numpy as np
 
 from kda_spec.config import KDAConfig
-from kda_spec.dump_format import STANDARD_CASES, CaseSpec
+from kda_spec.dump_format import ALL_CASES, CaseSpec
 
-# Streams 1 + i of the run's seed belong to case i of the standard table (stream 0: the weights).
+# Streams 1 + i of the run's seed: case i of ALL_CASES, the standard twelve first (stream 0: the weights).
 _CASE_STREAM_BASE = 1
 # A normalised residual stream is about unit scale; a state a sequence carries in is smaller.
 HIDDEN_STD = 1.0
@@ -36,8 +36,8 @@ class CaseInputs:
 
 
 def case_inputs(case: CaseSpec, config: KDAConfig, seed: int) -> CaseInputs:
-    """The inputs of `case` (one of the standard cases) for the run seeded with `seed`."""
-    rng = np.random.default_rng([seed, _CASE_STREAM_BASE + STANDARD_CASES.index(case)])
+    """The inputs of `case` (one of `ALL_CASES`) for the run seeded with `seed`."""
+    rng = np.random.default_rng([seed, _CASE_STREAM_BASE + ALL_CASES.index(case)])
     hidden = (HIDDEN_STD * rng.standard_normal((case.total_tokens, config.hidden_size))).astype(np.float32)
     cu_seqlens = np.concatenate([[0], np.cumsum(case.seq_lens)]).astype(np.int32)
     initial_state = None

@@ -4,11 +4,15 @@ On a GPU: fla's Triton `chunk_kda` and `fused_recurrent_kda`, the packed batch i
 `cu_seqlens` (the production kernels). On a CPU: fla-core's torch references `naive_chunk_kda` and
 `naive_recurrent_kda`, one sequence at a time since they have no varlen, with q and k L2-normalised in
 fp32 first, as the fast kernels do inside (`use_qk_l2norm_in_kernel=True`).
+
+`naive_chunk_kda_call` is fla's `chunk_kda` call, as the hub layer makes it, computed the CPU way: the
+hf-hub reference's chunk kernel on a CPU, where fla's Triton one cannot run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Protocol
 
 import torch
@@ -86,6 +90,43 @@ class NaiveKernels:
             outputs.append(o[:, : end - start])
             states.append(final)
         return KernelResult(torch.cat(outputs, dim=1), torch.cat(states, dim=0))
+
+
+def naive_chunk_kda_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`fla.ops.kda.chunk_kda(...)` for one packed batch `[1, T, ...]`, by fla-core's `naive_chunk_kda`."""
+    if scale is not None or not use_qk_l2norm_in_kernel:
+        raise ValueError(
+            f"naive_chunk_kda_call serves chunk_kda(scale=None, use_qk_l2norm_in_kernel=True) only, got "
+            f"{scale=}, {use_qk_l2norm_in_kernel=}"
+        )
+    if q.shape[0] != 1:
+        raise ValueError(
+            f"naive_chunk_kda_call takes one packed batch [1, T, H, D], got q of shape {list(q.shape)}"
+        )
+    bounds = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
+    result = NaiveKernels().run(
+        "chunk",
+        q,
+        k,
+        v,
+        g,
+        beta,
+        spans=list(itertools.pairwise(bounds)),
+        packed=cu_seqlens is not None,
+        initial_state=initial_state,
+    )
+    return result.o, result.final_state if output_final_state else None
 
 
 class TritonKernels:

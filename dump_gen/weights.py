@@ -14,6 +14,7 @@ from kda_spec.weight_names import CONV_NAMES
 
 # Stream 0 of the run's seed draws the weights; the cases use their own streams (inputs.py).
 WEIGHTS_STREAM = 0
+STRESS_STREAM = 1 << 16  # the stress weights' extra draws: clear of the cases' streams (1 + i)
 
 
 def synthetic_weights(config: KDAConfig, seed: int) -> dict[str, np.ndarray]:
@@ -43,3 +44,35 @@ def synthetic_weights(config: KDAConfig, seed: int) -> dict[str, np.ndarray]:
             values = rng.normal(0.0, shape[1] ** -0.5, shape)
         weights[name] = values.astype(np.float32)
     return weights
+
+
+# `--weights stress`: the strongest decays a trained layer can reach, for the numerics of the kernels.
+STRESS_MAX_DECAY_RATE = 16.0  # exp(A_log) of the strongest head
+STRESS_DT_BIAS = (0.0, 1.0)  # dt_bias of the stressed channels: softplus(dt_bias) from 0.7 to 1.3
+STRESS_CHANNEL_SHARE = 4  # every 4th channel of each head is stressed
+
+
+def stress_weights(config: KDAConfig, seed: int) -> dict[str, np.ndarray]:
+    """`synthetic_weights` with decays far stronger than an initialised layer's, the same otherwise.
+
+    - `exp(A_log)` spread evenly over [1, 16] across the heads, so the last head has exactly 16;
+    - every 4th channel of each head gets `dt_bias ~ U(0, 1)` (an initialised layer's is about -7 to
+      -2): with unit-scale gate pre-activations f, per-token `g = -exp(A_log) * softplus(f + dt_bias)`
+      reaches about -60 (down to about -80) on those channels of the strongest head, and a 64-token
+      chunk's running sum of g goes to -1000 and below, where kernels that subtract such sums in
+      fp32 lose their digits.
+    """
+    weights = synthetic_weights(config, seed)
+    rates = np.linspace(1.0, STRESS_MAX_DECAY_RATE, config.num_heads) if config.num_heads > 1 else [16.0]
+    weights["A_log"] = (
+        np.log(np.asarray(rates, np.float64)).reshape(weights["A_log"].shape).astype(np.float32)
+    )
+    rng = np.random.default_rng([seed, STRESS_STREAM])
+    dt_bias = weights["dt_bias"].reshape(config.num_heads, config.head_dim).copy()
+    stressed = dt_bias[:, ::STRESS_CHANNEL_SHARE]
+    dt_bias[:, ::STRESS_CHANNEL_SHARE] = rng.uniform(*STRESS_DT_BIAS, stressed.shape)
+    weights["dt_bias"] = dt_bias.reshape(-1).astype(np.float32)
+    return weights
+
+
+WEIGHTS_KINDS = {"synthetic": synthetic_weights, "stress": stress_weights}

@@ -1,13 +1,12 @@
 """Load one KDA layer's HF weights into a `KimiDeltaAttention`: from a dict, or from a safetensors checkpoint.
 
 HF names are those of `kda_spec.weight_names` (torch layout), with or without the
-`model.layers.{i}.self_attn.` prefix. A checkpoint folder holds `model.safetensors.index.json` and its
-shards, or one `model.safetensors`; only the tensors of the requested layer are read.
+`model.layers.{i}.self_attn.` prefix. Checkpoints are read by `kda_spec.checkpoint` (the project's one
+safetensors reader): only the tensors of the requested layer.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -16,16 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 
 from kda_impl.models.kimi_linear import PARAM_SPECS, KimiDeltaAttention
 from kda_impl.parallel.mesh import put
+from kda_spec.checkpoint import read_checkpoint_layer
 from kda_spec.config import KDAConfig
 from kda_spec.weight_names import FP32_WEIGHTS, hf_weight_shapes, layer_prefix
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-
 
 # torch layout -> JAX layout, given the target parameter's shape.
 Transform = Callable[[np.ndarray, tuple[int, ...]], np.ndarray]
@@ -95,35 +90,6 @@ def load_layer_weights(
         param.set_value(put(value, module.mesh, PARAM_SPECS[path]))
 
 
-def read_checkpoint_layer(
-    folder: str | Path, layer_idx: int, config: KDAConfig | None = None
-) -> dict[str, np.ndarray]:
-    """The tensors `model.layers.{layer_idx}.self_attn.*` of a safetensors checkpoint, keyed by HF name.
-
-    With `config`, refuses a layer that is not a KDA layer of it.
-    """
-    folder = Path(folder)
-    if config is not None and config.kda_layers and not config.is_kda_layer(layer_idx):
-        raise ValueError(
-            f"layer {layer_idx} is not a KDA layer (1-based kda_layers={config.kda_layers}); "
-            "it has no KDA weights"
-        )
-    prefix = layer_prefix(layer_idx)
-    shard_keys = _shard_keys(folder, prefix)
-    if not shard_keys:
-        raise KeyError(f"{folder}: no tensor named {prefix}* (is layer {layer_idx} a KDA layer?)")
-    tensors: dict[str, np.ndarray] = {}
-    for shard, keys in shard_keys.items():
-        path = folder / shard
-        if not path.is_file():
-            raise FileNotFoundError(f"{folder}: shard {shard!r} listed in {INDEX_FILE} is missing")
-        # framework="flax" reads bf16 tensors (numpy has no bf16 dtype); they come back as ml_dtypes arrays.
-        with safe_open(str(path), framework="flax") as f:
-            for key in keys:
-                tensors[key[len(prefix) :]] = np.asarray(f.get_tensor(key))
-    return tensors
-
-
 def layer_from_hf_weights(
     config: KDAConfig,
     layer_idx: int,
@@ -145,7 +111,11 @@ def layer_from_checkpoint(
     dtype: Any = jnp.bfloat16,
     mesh: jax.sharding.Mesh | None = None,
 ) -> KimiDeltaAttention:
-    """Layer `layer_idx` of the safetensors checkpoint in `folder` as a `KimiDeltaAttention`."""
+    """Layer `layer_idx` of the safetensors checkpoint in `folder` as a `KimiDeltaAttention`.
+
+    Read by `kda_spec.checkpoint.read_checkpoint_layer`: its CheckpointError is a ValueError (a missing
+    file also a FileNotFoundError, a missing tensor also a KeyError) that names the file, key or shard.
+    """
     weights = read_checkpoint_layer(folder, layer_idx, config)
     return layer_from_hf_weights(config, layer_idx, weights, dtype, mesh, source=str(folder))
 
@@ -160,24 +130,3 @@ def _select_layer(weights: Mapping[str, np.ndarray], layer_idx: int) -> dict[str
         elif not key.startswith("model."):
             layer[key] = value
     return layer
-
-
-def _shard_keys(folder: Path, prefix: str) -> dict[str, list[str]]:
-    """{shard file: [keys starting with prefix]} from the index, or from the single safetensors file."""
-    index = folder / INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        shards: dict[str, list[str]] = {}
-        for key, shard in weight_map.items():
-            if key.startswith(prefix):
-                shards.setdefault(shard, []).append(key)
-        return shards
-    single = folder / SINGLE_FILE
-    if single.is_file():
-        with safe_open(str(single), framework="flax") as f:
-            keys = f.keys()  # safe_open is not iterable
-        layer_keys = [key for key in keys if key.startswith(prefix)]
-        return {SINGLE_FILE: layer_keys} if layer_keys else {}
-    raise FileNotFoundError(
-        f"{folder}: no {INDEX_FILE} or {SINGLE_FILE} (not a safetensors checkpoint folder)"
-    )

@@ -1,5 +1,7 @@
 """The contract shared by the implementation (`kda_impl`), the dump writer (`dump_gen`) and the checker
-(`conformance`): the layer's configuration and presets, its HF weight names and shapes, and dump format v1.
+(`conformance`): the layer's configuration and presets (`config`), its HF weight names and shapes
+(`weight_names`), dump format v1 (`dump_format`), and the two readers every side needs the same way:
+one layer of a safetensors checkpoint (`checkpoint`) and a dump location, local or remote (`remote`).
 
-Pure Python and numpy. It imports none of the three packages that build on it.
+numpy, ml_dtypes, safetensors and fsspec only. It imports none of the three packages that build on it.
 """

@@ -52,11 +52,18 @@ STANDARD_CASES: tuple[CaseSpec, ...] = (
     CaseSpec("single_T128_initstate", (128,), initial_state=True),
     CaseSpec("varlen_initstate", (5, 17, 1, 41), initial_state=True),
 )
-CASES_BY_ID: dict[str, CaseSpec] = {case.case_id: case for case in STANDARD_CASES}
+# Optional cases, only made when named (`--cases`): odd lengths that no chunk size divides, for the
+# strong-decay (`--weights stress`) sets.
+EXTRA_CASES: tuple[CaseSpec, ...] = (
+    CaseSpec("T333", (333,)),
+    CaseSpec("varlen_70_3", (70, 3)),
+)
+ALL_CASES: tuple[CaseSpec, ...] = STANDARD_CASES + EXTRA_CASES
+CASES_BY_ID: dict[str, CaseSpec] = {case.case_id: case for case in ALL_CASES}
 
 
 def select_cases(case_ids: list[str] | None) -> tuple[CaseSpec, ...]:
-    """The standard cases named by `case_ids` (all twelve when None), or a ValueError naming the unknown."""
+    """The cases named by `case_ids` (the standard twelve when None); a ValueError names the unknown."""
     if not case_ids:
         return STANDARD_CASES
     unknown = [case_id for case_id in case_ids if case_id not in CASES_BY_ID]
@@ -92,8 +99,32 @@ def result_key(name: str, dtype: str) -> str:
     return name if dtype == "fp32" else f"{name}_bf16"
 
 
+# The float64 truth ("oracle") of each run: the layer computed again in float64 from exactly the inputs
+# and weights that run saw (dump_gen.truth). `recurrent_state` is the layer's final state per sequence.
+TRUTH_NAMES = (OUTPUT_KEY, "recurrent_state", *INTERMEDIATE_KEYS)
+TRUTH_DTYPE = "float64"
+
+
+def truth_key(name: str, dtype: str) -> str:
+    """The stored key of the float64 truth of `name` for the run of `dtype`: `out_fp64`, `g_bf16_fp64`."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if name not in TRUTH_NAMES:
+        raise ValueError(f"no truth is stored for {name!r}; truth names: {list(TRUTH_NAMES)}")
+    return f"{name}_fp64" if dtype == "fp32" else f"{name}_bf16_fp64"
+
+
+def split_truth_key(key: str) -> tuple[str, str] | None:
+    """(name, dtype of the run) of a truth key, or None for any other key."""
+    for dtype in DTYPES:
+        for name in TRUTH_NAMES:
+            if key == truth_key(name, dtype):
+                return name, dtype
+    return None
+
+
 def expected_shape(name: str, *, tokens: int, num_seqs: int, config: dict) -> tuple[int, ...]:
-    """Shape of result or input `name` (without dtype suffix) for a case of `tokens` and `num_seqs`."""
+    """Shape of result, truth or input `name` (without suffix) for a case of `tokens` and `num_seqs`."""
     hidden, heads, dim = config["hidden_size"], config["num_heads"], config["head_dim"]
     width = config["conv_size"]
     shapes = {
@@ -105,6 +136,7 @@ def expected_shape(name: str, *, tokens: int, num_seqs: int, config: dict) -> tu
         "o_kda_fused_recurrent": (tokens, heads, dim),
         "recurrent_state_chunk": (num_seqs, heads, dim, dim),
         "recurrent_state_fused_recurrent": (num_seqs, heads, dim, dim),
+        "recurrent_state": (num_seqs, heads, dim, dim),
         "q_after_conv": (tokens, heads, dim),
         "k_after_conv": (tokens, heads, dim),
         "v_after_conv": (tokens, heads, dim),

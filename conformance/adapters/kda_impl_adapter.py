@@ -5,18 +5,18 @@ in a `RecurrentStatePool`: every call allocates one slot per sequence, writes th
 state into it, runs the jitted forward (pool donated; one compilation per batch bucket), reads the new
 states back into the carry and frees the slots.
 
-The layer runs on a mesh of `tp` x `dp` devices (`$KDA_TP`, `$KDA_DP`, default 1; `python -m conformance
-run --tp N --dp M` sets them): heads split over `tensor`, and the sequences of each call dealt out
-round-robin to the data ranks, each on its own slots. The report's `describe` records the mesh.
+The layer runs on a mesh of `tp` x `dp` devices, its options (`--impl-option tp=N --impl-option dp=M`,
+or the shorthands `--tp N --dp M`; default 1 each): heads split over `tensor`, and the sequences of each
+call dealt out round-robin to the data ranks, each on its own slots. The report's `describe` records the
+mesh.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -39,15 +39,6 @@ from kda_impl.weights import layer_from_hf_weights
 from kda_spec.config import KDAConfig
 
 RUN_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
-TP_ENV, DP_ENV = "KDA_TP", "KDA_DP"
-
-
-def mesh_size_from_env(name: str) -> int:
-    """A positive mesh size from the environment variable `name` (1 when unset)."""
-    text = os.environ.get(name, "1")
-    if not text.strip().isdigit() or int(text) < 1:
-        raise ValueError(f"${name}={text!r} must be a positive integer")
-    return int(text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +54,14 @@ class KDACarry:
 
 
 class KDAImplAdapter(KDAAdapter):
-    """kda_impl under test; `kernel` is 'auto' (the dispatcher's choice), 'naive' or 'pallas'; `tp` and
-    `dp` the mesh (default: `$KDA_TP`, `$KDA_DP`, else 1)."""
+    """kda_impl under test; `kernel` is 'auto' (the dispatcher's choice), 'naive' or 'pallas'; the options
+    `tp` and `dp` size the mesh."""
 
     name = "kda_impl"
+    OPTIONS: ClassVar[Mapping[str, str]] = {
+        "tp": "tensor-parallel size: heads over N devices (default 1)",
+        "dp": "data-parallel size: sequences over M data ranks (default 1)",
+    }
 
     def __init__(
         self,
@@ -74,18 +69,15 @@ class KDAImplAdapter(KDAAdapter):
         weights: dict[str, np.ndarray],
         dtype: str,
         kernel: str = "auto",
-        tp: int | None = None,
-        dp: int | None = None,
+        *,
+        options: Mapping[str, str] | None = None,
     ):
-        super().__init__(config, weights, dtype, kernel)
+        super().__init__(config, weights, dtype, kernel, options=options)
         if dtype not in RUN_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(RUN_DTYPES)}, got {dtype!r}")
         self._run_dtype = RUN_DTYPES[dtype]
         self._kernel = None if kernel == "auto" else kernel
-        self._mesh = make_mesh(
-            tp=mesh_size_from_env(TP_ENV) if tp is None else tp,
-            dp=mesh_size_from_env(DP_ENV) if dp is None else dp,
-        )
+        self._mesh = make_mesh(tp=self.options["tp"], dp=self.options["dp"])
         # The first KDA layer of the model (layer 0 when the config lists none, as a dump's does).
         self._layer_idx = min((i - 1 for i in config.kda_layers), default=0)
         module = layer_from_hf_weights(
@@ -98,6 +90,19 @@ class KDAImplAdapter(KDAAdapter):
         self._recurrent = jax.jit(
             functools.partial(fused_recurrent_kda, output_final_state=True, kernel=self._kernel)
         )
+
+    @classmethod
+    def parse_options(cls, options: Mapping[str, str]) -> dict[str, Any]:
+        """{"tp": int, "dp": int}, each a positive integer (1 when not given) that this host's devices
+        can hold (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N devices)."""
+        super().parse_options(options)
+        sizes = {key: options.get(key, "1") for key in cls.OPTIONS}
+        for key, text in sizes.items():
+            if not text.strip().isdigit() or int(text) < 1:
+                raise ValueError(f"adapter {cls.name!r}: option {key}={text!r} must be a positive integer")
+        parsed = {key: int(text) for key, text in sizes.items()}
+        make_mesh(parsed["tp"], parsed["dp"])  # a ValueError names the devices missing
+        return parsed
 
     @property
     def kernel_used(self) -> str:
@@ -173,6 +178,7 @@ class KDAImplAdapter(KDAAdapter):
                 mode,
                 [seq_lens[seqs] for seqs in ranks],
                 [pool.get_recurrent_indices(rank_slots, rank) for rank, rank_slots in enumerate(slots)],
+                num_slots=pool.num_slots,
             )
             # Each sequence's pool row, and each token's row of the batch, in the caller's order.
             pool_rows = np.empty(num_seqs, np.int32)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from conformance.adapter import parse_option_pairs
 from conformance.checks import CheckSpec
 from conformance.reader import DumpError
 from conformance.report import terminal_lines
@@ -22,6 +23,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--dumps", metavar="DIR_OR_URL", help="the dump set to check against (required)")
     group.addoption("--impl", default="kda_impl", help="built-in adapter name or package.module:Attr")
     group.addoption("--kernel", default="auto", choices=("auto", "naive", "pallas"))
+    group.addoption(
+        "--impl-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the adapter, passed to its constructor (repeatable)",
+    )
     group.addoption("--dtypes", default="fp32,bf16", help="comma-separated subset of fp32,bf16")
     group.addoption("--cases", nargs="+", metavar="ID", help="case ids (default: every case of the set)")
     group.addoption("--report-dir", metavar="DIR", help="write report.json and report.md here")
@@ -41,6 +49,7 @@ def pytest_configure(config: pytest.Config) -> None:
             cases=config.getoption("--cases"),
             report_dir=Path(report_dir) if report_dir else None,
             tolerances=Path(config.getoption("--tolerances")),
+            impl_options=parse_option_pairs(config.getoption("--impl-option")),
         )
         config.stash[SESSION] = ConformanceSession(options)
     except (DumpError, ValueError) as err:

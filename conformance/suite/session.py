@@ -36,6 +36,7 @@ class SuiteOptions:
     cases: list[str] | None
     report_dir: Path | None
     tolerances: Path
+    impl_options: dict[str, str] = dataclasses.field(default_factory=dict)  # `--impl-option KEY=VALUE`
 
 
 class ConformanceSession:
@@ -45,7 +46,11 @@ class ConformanceSession:
         self.options = options
         self.dumps = DumpSet(options.dumps)
         self.policy = TolerancePolicy.load(options.tolerances)
-        self.runner = CheckRunner(self.dumps, load_adapter_class(options.impl), options.kernel, self.policy)
+        adapter_class = load_adapter_class(options.impl)
+        adapter_class.parse_options(options.impl_options)  # a bad option stops the run before any check
+        self.runner = CheckRunner(
+            self.dumps, adapter_class, options.kernel, self.policy, options.impl_options
+        )
         self.runner.weights()  # a broken weights file stops the run before any check
         self.specs = plan(self.dumps, self.dumps.case_ids(options.cases), options.dtypes)
         self.records: list[Record] = []
@@ -74,13 +79,18 @@ class ConformanceSession:
             adapters = self.runner.adapters
             meta = {
                 "duration_s": round(time.monotonic() - self.started, 2),
-                "dumps": {"url": self.options.dumps, "manifest": self.dumps.manifest},
+                "dumps": {
+                    "url": self.options.dumps,
+                    "manifest_sha256": self.dumps.manifest_sha256,
+                    "manifest": self.dumps.manifest,
+                },
                 "implementation": {
                     "impl": self.options.impl,
                     "name": next(
                         (adapter.name for adapter in adapters.values()), self.runner.adapter_class.name
                     ),
                     "kernel": self.options.kernel,
+                    "options": self.options.impl_options,
                     "kernel_used": {dtype: adapter.kernel_used for dtype, adapter in adapters.items()},
                     "describe": {dtype: adapter.describe() for dtype, adapter in adapters.items()},
                 },

@@ -13,5 +13,7 @@ def test_check(spec: CheckSpec, conformance: Any, record_property: Any) -> None:
     comparison = conformance.check(spec)  # skips the test when the check cannot run
     for key in ("margin", "nrmse", "max_abs", "share_outside"):
         record_property(key, f"{getattr(comparison, key):.4g}")
+    record_property("judged_by", comparison.judged_by)
+    record_property("verdict", comparison.verdict)  # against the float64 truth; n/a without one
     if not comparison.passed:
         pytest.fail(comparison.summary(), pytrace=False)

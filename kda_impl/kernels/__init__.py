@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from kda_impl.kernels import naive
 from kda_impl.kernels.common import kda_gate
+from kda_impl.kernels.validation import validate_float_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ def chunk_kda(
     dt_bias=None,
     **kwargs,
 ):
-    """Chunked KDA (prefill); fla's signature, see `kda_impl.kernels.naive_chunk.chunk_kda`.
+    """Chunked KDA (prefill); fla's signature, see `kda_impl.kernels.chunk.chunk_kda`.
 
     With `use_gate_in_kernel`, `g` is the raw gate projection `[B, T, H, K]` and the decay
     `-exp(A_log[h]) * softplus(g + dt_bias)` (A_log `[H]`, dt_bias `[H, K]` or `[H * K]`) is computed
@@ -140,6 +141,7 @@ def chunk_kda(
         gate = {"use_gate_in_kernel": use_gate_in_kernel, "A_log": A_log, "dt_bias": dt_bias}
         return module.chunk_kda(q, k, v, g, beta, **gate, **kwargs)
     if use_gate_in_kernel:
+        validate_float_inputs(g=g)  # as the Pallas kernel does, before the gate upcasts it
         heads, key_dim = g.shape[2], g.shape[3]
         if A_log is None or jnp.shape(A_log) != (heads,):
             raise ValueError(

@@ -1,4 +1,10 @@
-"""Decode in plain JAX: one token for each of B requests, states read from and written to pool slots."""
+"""Decode in plain JAX: one token for each of B requests, states read from and written to pool slots.
+
+Slot contract (`kda_impl.kernels.slots`, shared with the Pallas decode): slot 0 of the state buffer is the
+dummy slot of padding rows, which may repeat it; every other row is a real request on its own slot
+1..S-1. Outside `jit` any other index is refused (ValueError naming it and the buffer size); inside `jit`
+an out-of-range or repeated non-dummy index is routed to the dummy slot, so it never aliases a real slot.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,13 @@ import numpy as np
 
 from kda_impl.kernels.common import prepare_inputs
 from kda_impl.kernels.naive_recurrent import recurrent_step
+from kda_impl.kernels.slots import (
+    as_int_array,
+    check_integer_indices,
+    check_request_slots,
+    route_unsafe_slots_to_dummy,
+)
+from kda_impl.kernels.validation import validate_float_inputs
 
 
 def decode_kda_slots(
@@ -18,7 +31,7 @@ def decode_kda_slots(
     beta: jax.Array,  # [B, H]
     *,
     state_buffer: jax.Array,  # [S, H, K, V] one layer of the pool, or [L, S, H, K, V] with layer_index
-    slot_indices: jax.Array,  # i32[B]
+    slot_indices: jax.Array,  # int[B]: distinct real slots 1..S-1, padding rows 0
     layer_index: int | jax.Array | None = None,
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
@@ -28,15 +41,20 @@ def decode_kda_slots(
     With `layer_index`, `state_buffer` is the whole pool and only `[layer_index, slot_indices]` is
     read and written. Gathers the B states, steps them and scatters them back; the other slots are
     untouched. Returns `(o [B, H, V] in q's dtype, the updated state_buffer)`.
+
+    Slot 0 is the dummy slot: padding rows may all use it (what it holds afterwards is unspecified).
+    Concrete `slot_indices` outside 0..S-1 or repeating a real slot are refused; traced ones (under
+    `jit`) are routed instead: such a row reads and writes the dummy slot, never a real one.
     """
     pool = as_layered_pool(state_buffer, layer_index)
     layer = 0 if layer_index is None else layer_index
     validate_decode_inputs(q, k, v, g, beta, pool, slot_indices, layer)
+    slots = route_unsafe_slots_to_dummy(slot_indices, pool.shape[1])
     out_dtype = q.dtype
     q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    states = pool[layer, slot_indices].astype(jnp.float32)
+    states = pool[layer, slots].astype(jnp.float32)
     states, o = recurrent_step(states, q * scale, k, v, g, beta)
-    pool = pool.at[layer, slot_indices].set(states.astype(pool.dtype))
+    pool = pool.at[layer, slots].set(states.astype(pool.dtype))
     return o.astype(out_dtype), (pool[0] if layer_index is None else pool)
 
 
@@ -57,10 +75,12 @@ def validate_decode_inputs(
     g: jax.Array,  # [B, H, K]
     beta: jax.Array,  # [B, H]
     pool: jax.Array,  # [L, S, H, K, V]
-    slot_indices: jax.Array,  # i32[B]
+    slot_indices: jax.Array,  # int[B]
     layer_index: int | jax.Array,
 ) -> None:
-    """Shape checks of a decode call, naming the offending argument (works while tracing)."""
+    """Shape and dtype checks of a decode call, naming the offending argument (works while tracing);
+    outside `jit`, the slot contract of this module's docstring too."""
+    validate_float_inputs(q=q, k=k, v=v, g=g, beta=beta, pool=pool)
     if q.ndim != 3:
         raise ValueError(f"decode q must be [B, H, K] (one token per request), got shape {q.shape}")
     batch, heads, key_dim = q.shape
@@ -74,15 +94,18 @@ def validate_decode_inputs(
     expected_state = (heads, key_dim, v.shape[2])
     if pool.shape[2:] != expected_state:
         raise ValueError(f"state_buffer states must be [H, K, V]={expected_state}, got {pool.shape[2:]}")
-    if jnp.shape(slot_indices) != (batch,):
-        raise ValueError(f"slot_indices.shape={jnp.shape(slot_indices)} must be [B]=({batch},)")
+    if np.shape(slot_indices) != (batch,):
+        raise ValueError(f"slot_indices.shape={np.shape(slot_indices)} must be [B]=({batch},)")
+    check_integer_indices(slot_indices)
     layers, slots = pool.shape[:2]
     if not isinstance(layer_index, jax.core.Tracer) and not 0 <= int(layer_index) < layers:
         raise ValueError(f"layer_index={int(layer_index)} is outside the pool's {layers} layers")
     if not isinstance(slot_indices, jax.core.Tracer):
-        indices = np.asarray(slot_indices)
+        indices = as_int_array(slot_indices, "slot_indices")
         bad = (indices < 0) | (indices >= slots)
         if np.any(bad):
             raise ValueError(
-                f"slot index {int(indices[np.argmax(bad)])} is outside the state buffer's {slots} slots"
+                f"slot index {int(indices[np.argmax(bad)])} is outside the state buffer's {slots} slots "
+                f"0..{slots - 1} (slot 0 is the dummy of padding rows)"
             )
+        check_request_slots(indices, slots - 1, padding_rows=True)

@@ -1,11 +1,15 @@
 """`fused_recurrent_kda` in plain JAX: the KDA recurrence one token at a time, as a `lax.scan`.
 
-This is also the readable reference of every other kernel here; its step is the recurrence line for
-line (kda-layer step 6):
+The math-first reference of every other kernel here (as fla's `fla/ops/kda/naive.py` is for fla's):
+inputs upcast to fp32 once, and the loop body (`recurrent_step`) is the recurrence line for line
+(kda-layer step 6), per head, with state S `[K, V]`, q_t, k_t, g_t `[K]`, v_t `[V]`, beta_t a scalar:
 
     S = S * exp(g_t)[:, None]
     S = S + beta_t * outer(k_t, v_t - k_t @ S)
     o_t = (scale * q_t) @ S
+
+The optimised chunked kernel (`chunk.py`) and the Pallas kernels are tested against it
+(tests/kda_impl/test_kernels.py, test_pallas_kernels.py). g = -inf is a full reset (exp(g) = 0).
 """
 
 from __future__ import annotations

@@ -34,7 +34,9 @@ def static_validate_inputs(
     initial_state: jax.Array | None,  # [N, H, K, V]
     cu_seqlens: jax.Array | None,  # i32[N + 1]
 ) -> KernelShapes:
-    """Check the shapes agree, naming the offending argument; return the sizes."""
+    """Check the dtypes are floating point and the shapes agree, naming the offending argument; return
+    the sizes."""
+    validate_float_inputs(q=q, k=k, v=v, g=g, beta=beta)
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {q.shape}")
     batch, tokens, heads, key_dim = q.shape
@@ -66,6 +68,14 @@ def static_validate_inputs(
                 f"(N={num_seqs} sequences)"
             )
     return KernelShapes(batch, tokens, num_seqs, heads, key_dim, value_dim)
+
+
+def validate_float_inputs(**arrays: jax.Array) -> None:
+    """Refuse integer, bool or complex kernel inputs (they would be truncated or cast), naming the array."""
+    for name, array in arrays.items():
+        dtype = array.dtype if hasattr(array, "dtype") else np.result_type(array)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"{name} must be a floating-point array, got dtype {dtype}")
 
 
 def dynamic_validate_cu_seqlens(cu_seqlens: jax.Array | np.ndarray, total_tokens: int) -> None:

@@ -7,6 +7,11 @@ every functional copy of the pool (they are the pool's static aux data).
 On a mesh (`kda_impl.parallel`) the buffers are sharded along heads over `tensor` and along slots over
 `data`: data rank r owns the rows `r * (num_slots + 1) + [0, num_slots]`, row 0 of its block being its
 own dummy slot. Inside the layer's `shard_map` each device sees one block with the rank's local slots.
+
+Slot contract (`kda_impl.kernels.slots`): a real request's slot is one of 1..num_slots of its rank, never
+shared with another request of the batch; padding rows use the dummy slot. Host-side methods refuse any
+other slot with a ValueError; under `jit` the layer-cache methods route an out-of-range or repeated row
+to the dummy slot, so that it reads and writes no real request's state.
 """
 
 from __future__ import annotations
@@ -20,61 +25,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from kda_impl.kernels.slots import (
+    DUMMY_SLOT,
+    as_int_array,
+    check_integer_indices,
+    check_request_slots,
+    first_repeat,
+    is_int,
+    route_unsafe_slots_to_dummy,
+)
+from kda_impl.mem_cache.slot_allocator import PoolExhaustedError as PoolExhaustedError  # raised by alloc
+from kda_impl.mem_cache.slot_allocator import SlotAllocator
 from kda_impl.parallel.mesh import DATA_AXIS, TENSOR_AXIS, check_heads_divisible, mesh_sizes
 from kda_spec.config import KDAConfig
 
-DUMMY_SLOT = 0  # reserved for padding / idle requests; never handed out by `alloc`
 # Layouts of the buffers on a mesh: slots over `data`, heads (or head-major channels) over `tensor`.
 RECURRENT_SPEC = PartitionSpec(None, DATA_AXIS, TENSOR_AXIS, None, None)  # [L, slots, H, K, V]
 CONV_SPEC = PartitionSpec(None, DATA_AXIS, None, None, TENSOR_AXIS)  # [L, slots, W-1, 3, P]
-
-
-class PoolExhaustedError(RuntimeError):
-    """`alloc` asked for more slots than are free."""
-
-
-class SlotAllocator:
-    """Host-side free list of the slots 1..num_slots. Identity equality: one per pool family."""
-
-    def __init__(self, num_slots: int):
-        self.num_slots = num_slots
-        self._free = list(range(num_slots, 0, -1))  # pop() hands out the lowest slot first
-        self._in_use: set[int] = set()
-
-    def is_allocated(self, slot: int) -> bool:
-        return slot in self._in_use
-
-    def alloc(self, n: int) -> np.ndarray:
-        if n < 0:
-            raise ValueError(f"cannot allocate a negative number of slots, got n={n}")
-        if n > len(self._free):
-            raise PoolExhaustedError(
-                f"recurrent state pool exhausted: {n} slot(s) requested, {len(self._free)} free "
-                f"of {self.num_slots}; free finished requests or build a larger pool"
-            )
-        slots = [self._free.pop() for _ in range(n)]
-        self._in_use.update(slots)
-        return np.asarray(slots, dtype=np.int32)
-
-    def free(self, slots: Sequence[int]) -> None:
-        slots = [int(s) for s in np.asarray(slots).reshape(-1)]
-        for slot in slots:
-            check_slot_range(slot, self.num_slots)
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"slot list {slots} frees a slot twice")
-        unallocated = [slot for slot in slots if slot not in self._in_use]
-        if unallocated:
-            raise ValueError(f"slot(s) {unallocated} are not allocated (double free?)")
-        self._in_use.difference_update(slots)
-        self._free.extend(sorted(slots, reverse=True))
-
-
-def check_slot_range(slot: int, num_slots: int) -> None:
-    """ValueError naming `slot` unless it is a real slot 1..num_slots."""
-    if not 1 <= slot <= num_slots:
-        raise ValueError(
-            f"slot {slot} is out of range: real slots are 1..{num_slots} (slot {DUMMY_SLOT} is the dummy)"
-        )
 
 
 @jax.tree_util.register_pytree_node_class
@@ -90,7 +57,8 @@ class RecurrentStatePool:
     data rank of the request (0 without data parallelism); `alloc` rebinds this object's buffers (after a
     donated forward, call it on the returned pool). The layer-cache methods are functional and
     jit-friendly; their slot indices are rows of the buffers as the caller sees them: the rank's local
-    slots inside the sharded forward, `rows(slots, dp_rank)` outside it.
+    slots inside the sharded forward, `rows(slots, dp_rank)` outside it. Outside `jit` they refuse a
+    dummy, out-of-range or repeated row; inside it they route such a row to the dummy slot (`safe_rows`).
     """
 
     def __init__(
@@ -193,16 +161,16 @@ class RecurrentStatePool:
         slots = self._allocator(dp_rank).alloc(n)
         if n:
             # Pad the rows to a power of two with the rank's dummy slot: one compilation per size class.
-            padded = np.full(1 << (n - 1).bit_length(), DUMMY_SLOT, np.int32)
-            padded[:n] = slots
+            padded = np.full(1 << (n - 1).bit_length(), self.rows_per_rank * dp_rank + DUMMY_SLOT, np.int32)
+            padded[:n] = self.rows(slots, dp_rank)
             self.recurrent_buffer, self.conv_buffer = _zero_slots(
-                self.recurrent_buffer, self.conv_buffer, self.rows(padded, dp_rank)
+                self.recurrent_buffer, self.conv_buffer, padded
             )
         return slots
 
     def free(self, slots: Sequence[int] | np.ndarray, dp_rank: int = 0) -> None:
-        """Return `slots` of data rank `dp_rank` to its free list (ValueError on an out-of-range,
-        unallocated or repeated slot)."""
+        """Return `slots` of data rank `dp_rank` to its free list (ValueError on a non-integer,
+        out-of-range, unallocated or repeated slot)."""
         self._allocator(dp_rank).free(slots)
 
     def get_recurrent_indices(
@@ -211,24 +179,35 @@ class RecurrentStatePool:
         """The pool slots `i32[N]` of the requests holding slots `req_pool_indices` (slot = request index)
         of data rank `dp_rank`.
 
-        ValueError naming the slot when one is out of range or not allocated.
+        ValueError naming the slot and the pool size when one is not an int, out of range, the dummy,
+        repeated or not allocated.
         """
         allocator = self._allocator(dp_rank)
-        slots = np.asarray(req_pool_indices)
-        if slots.ndim != 1 or not np.issubdtype(slots.dtype, np.integer):
-            raise ValueError(f"req_pool_indices must be a 1-D list of integers, got {slots!r}")
+        slots = as_int_array(req_pool_indices, "req_pool_indices")
+        if slots.ndim != 1:
+            raise ValueError(f"req_pool_indices must be a 1-D list of integers, got {slots.tolist()}")
+        check_request_slots(slots, self.num_slots)
         for slot in slots.tolist():
-            check_slot_range(slot, self.num_slots)
             if not allocator.is_allocated(slot):
                 raise ValueError(f"slot {slot} is not allocated; allocate it with RecurrentStatePool.alloc")
         return slots.astype(np.int32)
 
+    @property
+    def rows_per_rank(self) -> int:
+        """Rows of one data rank's block: its dummy slot 0 and its real slots 1..num_slots."""
+        return self.num_slots + 1
+
     def rows(self, slots: Sequence[int] | np.ndarray, dp_rank: int = 0) -> np.ndarray:
-        """i32 rows of the whole buffers holding `slots` of data rank `dp_rank` (for host-side access)."""
+        """i32 rows of the whole buffers holding the real `slots` of data rank `dp_rank` (for host-side
+        access); ValueError on a non-integer, out-of-range, dummy or repeated slot."""
         self._check_rank(dp_rank)
-        return (dp_rank * (self.num_slots + 1) + np.asarray(slots)).astype(np.int32)
+        slots = as_int_array(slots, "slots").reshape(-1)
+        check_request_slots(slots, self.num_slots)
+        return (dp_rank * self.rows_per_rank + slots).astype(np.int32)
 
     def _check_rank(self, dp_rank: int) -> None:
+        if not is_int(dp_rank):
+            raise ValueError(f"dp_rank must be an int, got {dp_rank!r}")
         if not 0 <= dp_rank < self.dp_size:
             raise ValueError(f"dp_rank={dp_rank} is not a data rank of this pool (it has {self.dp_size})")
 
@@ -252,45 +231,106 @@ class RecurrentStatePool:
         i = self.layer_index(layer_id)
         return self.recurrent_buffer[i], self.conv_buffer[i]
 
+    def get_slot_states(
+        self,
+        layer_id: int,
+        slot_indices: jax.Array | np.ndarray | Sequence[int],  # int[N] rows of the buffers
+        *,
+        padding_rows: bool = False,
+    ) -> tuple[jax.Array, jax.Array]:
+        """`(recurrent [N, H, D, D] fp32, conv [N, W-1, 3, P])` of `slot_indices` of layer `layer_id`.
+
+        The rows are checked or routed as `safe_rows` says: an unsafe index reads the dummy slot.
+        """
+        i = self.layer_index(layer_id)
+        rows = self.safe_rows(slot_indices, padding_rows=padding_rows)
+        return self.recurrent_buffer[i, rows], self.conv_buffer[i, rows]
+
     def set_linear_recurrent_layer_cache(
         self,
         layer_id: int,
-        slot_indices: jax.Array,  # i32[N]
+        slot_indices: jax.Array | np.ndarray | Sequence[int],  # int[N] rows of the buffers
         new_recurrent: jax.Array,  # [N, H, D, D]
         new_conv: jax.Array,  # [N, W-1, 3, P]
+        *,
+        padding_rows: bool = False,
     ) -> RecurrentStatePool:
         """A pool whose `slot_indices` of layer `layer_id` hold the new states (the rest unchanged).
 
+        The rows are checked or routed as `safe_rows` says: an unsafe index writes the dummy slot only.
         Under `jit` with the pool donated, XLA updates the buffers in place.
         """
         i = self.layer_index(layer_id)
-        n = slot_indices.shape[0]
-        if new_recurrent.shape != (n, *self.recurrent_buffer.shape[2:]):
-            raise ValueError(
-                f"new_recurrent must be [N={n}, H, D, D]={(n, *self.recurrent_buffer.shape[2:])}, "
-                f"got {new_recurrent.shape}"
-            )
-        recurrent = self.recurrent_buffer.at[i, slot_indices].set(
-            new_recurrent.astype(self.recurrent_buffer.dtype)
-        )
-        return self.replace(recurrent_buffer=recurrent).set_conv_states(layer_id, slot_indices, new_conv)
+        rows = self.safe_rows(slot_indices, padding_rows=padding_rows)
+        _check_new_states("new_recurrent", "[N={n}, H, D, D]", new_recurrent, self.recurrent_buffer, rows)
+        _check_new_states("new_conv", "[N={n}, W-1, 3, P]", new_conv, self.conv_buffer, rows)
+        recurrent = self.recurrent_buffer.at[i, rows].set(new_recurrent.astype(self.recurrent_buffer.dtype))
+        conv = self.conv_buffer.at[i, rows].set(new_conv.astype(self.conv_buffer.dtype))
+        return self.replace(recurrent_buffer=recurrent, conv_buffer=conv)
 
     def set_conv_states(
         self,
         layer_id: int,
-        slot_indices: jax.Array,  # i32[N]
+        slot_indices: jax.Array | np.ndarray | Sequence[int],  # int[N] rows of the buffers
         new_conv: jax.Array,  # [N, W-1, 3, P]
+        *,
+        padding_rows: bool = False,
     ) -> RecurrentStatePool:
-        """A pool whose `slot_indices` of layer `layer_id` hold the new conv states."""
+        """A pool whose `slot_indices` of layer `layer_id` hold the new conv states (checked or routed as
+        `safe_rows` says)."""
         i = self.layer_index(layer_id)
-        n = slot_indices.shape[0]
-        if new_conv.shape != (n, *self.conv_buffer.shape[2:]):
-            raise ValueError(
-                f"new_conv must be [N={n}, W-1, 3, P]={(n, *self.conv_buffer.shape[2:])}, "
-                f"got {new_conv.shape}"
-            )
-        conv = self.conv_buffer.at[i, slot_indices].set(new_conv.astype(self.conv_buffer.dtype))
+        rows = self.safe_rows(slot_indices, padding_rows=padding_rows)
+        _check_new_states("new_conv", "[N={n}, W-1, 3, P]", new_conv, self.conv_buffer, rows)
+        conv = self.conv_buffer.at[i, rows].set(new_conv.astype(self.conv_buffer.dtype))
         return self.replace(conv_buffer=conv)
+
+    def safe_rows(
+        self, slot_indices: jax.Array | np.ndarray | Sequence[int], *, padding_rows: bool = False
+    ) -> jax.Array:
+        """i32[N]: `slot_indices`, rows of the buffers as the caller sees them, made safe to index with.
+
+        Concrete indices (outside `jit`) are checked: ValueError naming the row and the pool size on a
+        non-integer, out-of-range, dummy (of any data rank) or repeated row; with `padding_rows`, rows on
+        a dummy slot are padding rows and allowed, any number of times. Traced indices (inside `jit`)
+        cannot be checked: every out-of-range or repeated non-dummy row is routed to the dummy slot 0, so
+        that it reads and writes no real request's state.
+        """
+        check_integer_indices(slot_indices)
+        num_rows = self.recurrent_buffer.shape[1]
+        if not isinstance(slot_indices, jax.core.Tracer):
+            self._check_rows(as_int_array(slot_indices, "slot_indices"), num_rows, padding_rows)
+        return route_unsafe_slots_to_dummy(slot_indices, num_rows, block=self.rows_per_rank)
+
+    def _check_rows(self, rows: np.ndarray, num_rows: int, padding_rows: bool) -> None:
+        if rows.ndim != 1:
+            raise ValueError(f"slot_indices must be a 1-D list of buffer rows, got shape {rows.shape}")
+        block, num_slots = self.rows_per_rank, self.num_slots
+        for row in rows.tolist():
+            if not 0 <= row < num_rows:
+                raise ValueError(
+                    f"row {row} is outside the pool's {num_rows} rows ({num_rows // block} data rank(s), "
+                    f"each with its dummy slot 0 and real slots 1..{num_slots} of a {num_slots}-slot pool)"
+                )
+            rank, slot = divmod(row, block)
+            if slot == DUMMY_SLOT and not padding_rows:
+                raise ValueError(
+                    f"row {row} is data rank {rank}'s dummy slot 0, no request's: real slots are "
+                    f"1..{num_slots} of each rank's {num_slots}-slot pool"
+                )
+        repeated = first_repeat(rows[rows % block != DUMMY_SLOT])
+        if repeated is not None:
+            raise ValueError(
+                f"row {repeated} is given to two requests of one batch: each request needs its own slot "
+                f"of the {num_slots}-slot pool"
+            )
+
+
+def _check_new_states(name: str, layout: str, new: jax.Array, buffer: jax.Array, rows: jax.Array) -> None:
+    """ValueError unless `new` holds one state of `buffer`'s shape per row."""
+    n = rows.shape[0]
+    expected = (n, *buffer.shape[2:])
+    if new.shape != expected:
+        raise ValueError(f"{name} must be {layout.format(n=n)}={expected}, got {new.shape}")
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))

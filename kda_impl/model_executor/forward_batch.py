@@ -3,6 +3,10 @@
 `make_forward_batch` builds an EXTEND or DECODE batch outside `jit`, padding its sizes to buckets so
 that a jitted forward compiles once per bucket, not once per set of lengths; `make_dp_forward_batch`
 builds one for data-parallel attention, the requests of each data rank padded alike.
+
+Slot contract (`kda_impl.kernels.slots`): each real request has its own slot 1..num_slots of its data
+rank's pool, distinct within the batch; padding requests all use the rank's dummy slot 0. Anything else
+(an out-of-range, dummy or repeated slot; a float or bool slot or length) is refused with a ValueError.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from kda_impl.kernels.slots import DUMMY_SLOT, as_int_array, check_request_slots, is_int
 from kda_impl.kernels.validation import dynamic_validate_cu_seqlens
-from kda_impl.mem_cache.recurrent_state_pool import DUMMY_SLOT
 from kda_impl.parallel.mesh import DATA_AXIS
 
 if TYPE_CHECKING:
@@ -76,13 +80,15 @@ class ForwardBatch:
 
     def rank_rows(self, dp_rank: int) -> slice:
         """The rows of data rank `dp_rank`'s tokens in the batch's `[T, ...]` arrays."""
+        if not is_int(dp_rank):
+            raise ValueError(f"dp_rank must be an int, got {dp_rank!r}")
         if not 0 <= dp_rank < self.dp_size:
             raise ValueError(f"dp_rank={dp_rank} is not a data rank of this batch (it has {self.dp_size})")
         return slice(dp_rank * self.tokens_per_rank, (dp_rank + 1) * self.tokens_per_rank)
 
     def request_rows(self, dp_rank: int, seq_lens: Sequence[int]) -> list[np.ndarray]:
         """The rows holding each request of data rank `dp_rank` (whose `seq_lens` built the batch)."""
-        ends = self.rank_rows(dp_rank).start + np.cumsum(np.asarray(seq_lens, np.int64))
+        ends = self.rank_rows(dp_rank).start + np.cumsum(as_int_array(seq_lens, "seq_lens"))
         return [np.arange(end - n, end) for end, n in zip(ends, seq_lens)]
 
     def partition_specs(self) -> ForwardBatch:
@@ -113,6 +119,7 @@ def make_forward_batch(
     seq_lens: Sequence[int],
     recurrent_indices: Sequence[int] | np.ndarray,
     *,
+    num_slots: int,
     prefix_lens: Sequence[int] | None = None,
     min_tokens: int = MIN_TOKEN_BUCKET,
     min_requests: int = MIN_REQUEST_BUCKET,
@@ -124,9 +131,14 @@ def make_forward_batch(
         forward_mode: EXTEND (prefill / chunked prefill) or DECODE (one token per request).
         seq_lens: `[N]` new tokens of each request in this step (each 1 for DECODE; 0 allowed for EXTEND).
         recurrent_indices: `[N]` state-pool slot of each request, from
-            `RecurrentStatePool.get_recurrent_indices` (validated there).
+            `RecurrentStatePool.get_recurrent_indices`: real slots 1..num_slots, all different.
+        num_slots: the pool's real slots (per data rank), `pool.num_slots`.
         prefix_lens: `[N]` tokens each request has already processed (for `positions`); zeros if None.
         min_tokens / min_requests: the smallest buckets.
+
+    Lengths and slots are ints (Python ints or integer arrays; floats, even 2.0, and bools are refused).
+    A slot outside 1..num_slots, the dummy slot 0 or a slot given to two requests is refused with a
+    ValueError naming the slot and the pool size: a real request never shares a slot.
 
     Bucketing (so a jitted forward compiles once per bucket pair, not per set of lengths):
         - EXTEND: the token count T is padded to `bucket(T, min_tokens)` and the request count to
@@ -134,10 +146,10 @@ def make_forward_batch(
           others are zero-length. Padding requests use the pool's dummy slot 0, so they never read
           or write a real slot. The caller pads `hidden_states` to `batch.num_tokens` rows (`pad_rows`).
         - DECODE: N is padded to `bucket(N, min_requests)` and T = N; each padding request has one
-          padding token and the dummy slot.
+          padding token and the dummy slot (padding rows may repeat the dummy slot, real ones never).
         Outputs of padding tokens are meaningless: keep the first `sum(seq_lens)` rows.
     """
-    lens = np.asarray(seq_lens)
+    lens = as_int_array(seq_lens, "seq_lens")
     if forward_mode in (ForwardMode.EXTEND, ForwardMode.DECODE) and (lens.ndim != 1 or lens.size == 0):
         raise ValueError(
             f"seq_lens must be a non-empty 1-D list of token counts, got {list(np.atleast_1d(lens))}"
@@ -147,6 +159,7 @@ def make_forward_batch(
         forward_mode,
         [seq_lens],
         [recurrent_indices],
+        num_slots=num_slots,
         prefix_lens=None if prefix_lens is None else [prefix_lens],
         min_tokens=min_tokens,
         min_requests=min_requests,
@@ -159,14 +172,16 @@ def make_dp_forward_batch(
     seq_lens: Sequence[Sequence[int]],
     recurrent_indices: Sequence[Sequence[int] | np.ndarray],
     *,
+    num_slots: int,
     prefix_lens: Sequence[Sequence[int]] | None = None,
     min_tokens: int = MIN_TOKEN_BUCKET,
     min_requests: int = MIN_REQUEST_BUCKET,
 ) -> ForwardBatch:
     """A batch for data-parallel attention: requests `seq_lens[r]` run on data rank r (outside `jit`).
 
-    One list per data rank of `seq_lens`, `recurrent_indices` (slots of rank r's share of the pool,
-    `RecurrentStatePool.get_recurrent_indices(..., dp_rank=r)`) and `prefix_lens`; a rank may have no
+    One list per data rank of `seq_lens`, `recurrent_indices` (slots 1..num_slots of rank r's share of the
+    pool, `RecurrentStatePool.get_recurrent_indices(..., dp_rank=r)`, checked as `make_forward_batch`
+    checks them, rank by rank: two ranks may use the same slot number) and `prefix_lens`; a rank may have no
     request. Each rank is padded as `make_forward_batch` pads a batch, all to the same buckets (the
     largest any rank needs), and every array holds the ranks' parts one after the other: rank r's
     hidden states go to rows `batch.rank_rows(r)` of the `[T, hidden]` input (first its real tokens,
@@ -174,6 +189,8 @@ def make_dp_forward_batch(
     """
     if forward_mode not in (ForwardMode.EXTEND, ForwardMode.DECODE):
         raise ValueError(f"make_forward_batch builds EXTEND or DECODE batches, got {forward_mode!r}")
+    if not is_int(num_slots) or num_slots < 1:
+        raise ValueError(f"num_slots must be a positive int (the pool's num_slots), got {num_slots!r}")
     dp = len(seq_lens)
     prefixes = [None] * dp if prefix_lens is None else list(prefix_lens)
     if dp < 1 or len(recurrent_indices) != dp or len(prefixes) != dp:
@@ -184,7 +201,7 @@ def make_dp_forward_batch(
     ranks = []
     for rank, (lens, slots, prefix) in enumerate(zip(seq_lens, recurrent_indices, prefixes)):
         try:
-            ranks.append(_rank_requests(forward_mode, lens, slots, prefix))
+            ranks.append(_rank_requests(forward_mode, lens, slots, prefix, num_slots))
         except ValueError as err:
             raise ValueError(f"data rank {rank}: {err}" if dp > 1 else str(err)) from None
     if forward_mode == ForwardMode.DECODE:
@@ -200,7 +217,9 @@ def make_dp_forward_batch(
             forward_mode, lens, slots, prefix, padded_reqs, num_tokens
         )
         positions.append(rank_positions)
-        metadata.append(attn_backend.get_forward_metadata(forward_mode, padded_lens, padded_slots))
+        metadata.append(
+            attn_backend.get_forward_metadata(forward_mode, padded_lens, padded_slots, num_slots=num_slots)
+        )
     return ForwardBatch(
         forward_mode=forward_mode,
         positions=jnp.asarray(np.concatenate(positions), jnp.int32),
@@ -216,11 +235,12 @@ def _rank_requests(
     seq_lens: Sequence[int],
     recurrent_indices: Sequence[int] | np.ndarray,
     prefix_lens: Sequence[int] | None,
+    num_slots: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The requests of one data rank as int64 arrays `(seq_lens, slots, prefix_lens)`, validated."""
-    lens = np.asarray(seq_lens, dtype=np.int64)
-    slots = np.asarray(recurrent_indices, dtype=np.int64)
-    prefix = np.zeros_like(lens) if prefix_lens is None else np.asarray(prefix_lens, dtype=np.int64)
+    lens = as_int_array(seq_lens, "seq_lens")
+    slots = as_int_array(recurrent_indices, "recurrent_indices")
+    prefix = np.zeros_like(lens) if prefix_lens is None else as_int_array(prefix_lens, "prefix_lens")
     if lens.ndim != 1:
         raise ValueError(f"seq_lens must be a 1-D list of token counts, got {list(np.atleast_1d(lens))}")
     if slots.shape != lens.shape or prefix.shape != lens.shape:
@@ -232,6 +252,7 @@ def _rank_requests(
         raise ValueError(f"seq_lens {lens.tolist()} and prefix_lens {prefix.tolist()} must be >= 0")
     if forward_mode == ForwardMode.DECODE and np.any(lens != 1):
         raise ValueError(f"a DECODE batch has exactly one token per request, got seq_lens {lens.tolist()}")
+    check_request_slots(slots, num_slots)
     return lens, slots, prefix
 
 

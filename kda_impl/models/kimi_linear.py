@@ -216,7 +216,7 @@ class KimiDeltaAttention(nnx.Module):
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # [T, H, D] each
 
         g = self._decay(x)  # [T, H, D] fp32
-        beta = jax.nn.sigmoid(self._rounded(self.b_proj(x)).astype(jnp.float32))  # [T, H] fp32
+        beta = self._beta(x)  # [T, H] fp32
         o, pool = self.attn(
             forward_batch, l2norm(q), l2norm(k), v.astype(jnp.float32), g, beta, new_conv_state, pool
         )
@@ -254,6 +254,10 @@ class KimiDeltaAttention(nnx.Module):
         heads, dim = self.attn.num_heads, self.config.head_dim
         f = self._rounded(self.f_b_proj(self.f_a_proj(x))).astype(jnp.float32).reshape(-1, heads, dim)
         return kda_gate(f, self.A_log[...][:, None], self.dt_bias[...])
+
+    def _beta(self, x: jax.Array) -> jax.Array:
+        """`beta = sigmoid(b_proj(x))` in fp32 (from the projection rounded to the run dtype): `[T, H]`."""
+        return jax.nn.sigmoid(self._rounded(self.b_proj(x)).astype(jnp.float32))
 
     def _rounded(self, x: jax.Array) -> jax.Array:
         """`x` rounded to the run dtype for real, where the reference stores it before upcasting.

@@ -1,8 +1,9 @@
 """kda_impl broken on purpose, to prove that the checks catch each kind of bug.
 
 Each adapter changes one thing of the built-in `KDAImplAdapter` and keeps the rest of its serving
-path: the decay gate's sign, the conv's respect for sequence boundaries, the conv state carried into
-decode, or the output by 1e-4. The first two swap a class the adapter builds its layer from.
+path: the decay gate's sign, beta's sigmoid computed in bf16, the conv's respect for sequence
+boundaries, the conv state carried into decode, or the output by 1e-4. The first three swap a class
+the adapter builds its layer from.
 """
 
 from __future__ import annotations
@@ -31,9 +32,22 @@ class _FlippedDecay(KimiDeltaAttention):
 class FlippedGate(KDAImplAdapter):
     name = "broken: decay gate sign flipped"
 
-    def __init__(self, config, weights, dtype, kernel="auto"):
+    def __init__(self, config, weights, dtype, kernel="auto", *, options=None):
         with mock.patch.object(kda_impl.weights, "KimiDeltaAttention", _FlippedDecay):
-            super().__init__(config, weights, dtype, kernel)
+            super().__init__(config, weights, dtype, kernel, options=options)
+
+
+class _BetaInBf16(KimiDeltaAttention):
+    def _beta(self, x: jax.Array) -> jax.Array:
+        return jax.nn.sigmoid(self._rounded(self.b_proj(x))).astype(jnp.float32)
+
+
+class BetaInBf16(KDAImplAdapter):
+    name = "broken: beta's sigmoid in the run dtype (bf16), not fp32"
+
+    def __init__(self, config, weights, dtype, kernel="auto", *, options=None):
+        with mock.patch.object(kda_impl.weights, "KimiDeltaAttention", _BetaInBf16):
+            super().__init__(config, weights, dtype, kernel, options=options)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -53,9 +67,9 @@ class _LeakyConvBackend(KDAAttnBackend):
 class LeakyConv(KDAImplAdapter):
     name = "broken: conv leaks across sequences"
 
-    def __init__(self, config, weights, dtype, kernel="auto"):
+    def __init__(self, config, weights, dtype, kernel="auto", *, options=None):
         with mock.patch.object(kda_impl_adapter, "KDAAttnBackend", _LeakyConvBackend):
-            super().__init__(config, weights, dtype, kernel)
+            super().__init__(config, weights, dtype, kernel, options=options)
 
 
 class DecodeDropsConvState(KDAImplAdapter):

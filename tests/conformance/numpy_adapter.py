@@ -1,8 +1,9 @@
 """A plain numpy implementation of kda-layer.md, for the conformance tests only.
 
-It writes the synthetic dump sets of the tests and is checked by the suite as a second
-implementation; its small overridable steps (`gate`, `conv`, `decode`) let the tests break it on
-purpose. Token loops throughout: clear, and fast enough at test sizes.
+It writes the synthetic dump sets of the tests, and is held to golden/ (transformers' torch layer)
+by tests/conformance/test_broken.py, so that its own dumps are not its only oracle; its small
+overridable steps (`gate`, `conv`, `decode`) let the tests break it on purpose. Token loops
+throughout: clear, and fast enough at test sizes.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ class NumpyAdapter(KDAAdapter):
 
     name = "numpy-reference"
 
-    def __init__(self, config, weights, dtype, kernel="auto"):
-        super().__init__(config, weights, dtype, kernel)
+    def __init__(self, config, weights, dtype, kernel="auto", *, options=None):
+        super().__init__(config, weights, dtype, kernel, options=options)
         keep_fp32 = {"A_log", "dt_bias"}
         self.w = {
             name: (w if name in keep_fp32 else self.cast(w)).astype(np.float32) for name, w in weights.items()

@@ -1,4 +1,5 @@
-"""Small synthetic dump sets (format v1) written with the numpy reference, for the conformance tests."""
+"""Small synthetic dump sets (format v1) written with the numpy reference, for the conformance tests;
+optionally with the float64 truth of every result (tests/conformance/truth_layer.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig
 from tests.conformance.numpy_adapter import NumpyAdapter, l2norm
+from tests.conformance.truth_layer import layer_truth
 
 TINY = KDAConfig(hidden_size=32, num_heads=2, head_dim=8, conv_size=4, rms_norm_eps=1e-5, preset="tiny")
 
@@ -45,6 +47,7 @@ def case_arrays(
     rng: np.random.Generator,
     dtypes: tuple[str, ...],
     intermediates: bool,
+    truth: bool = False,
 ) -> dict[str, np.ndarray]:
     tokens, num_seqs = spec.total_tokens, len(spec.seq_lens)
     x = rng.normal(0, 1, (tokens, config.hidden_size)).astype(np.float32)
@@ -75,6 +78,9 @@ def case_arrays(
         if intermediates:
             for name in fmt.INTERMEDIATE_KEYS:
                 arrays[fmt.result_key(name, dtype)] = _store(inter[name], name, dtype)
+        if truth:
+            for name, value in layer_truth(config, weights, dtype, x, cu, init).items():
+                arrays[fmt.truth_key(name, dtype)] = value
     return arrays
 
 
@@ -86,15 +92,17 @@ def write_dump_set(
     seed: int = 0,
     dtypes: tuple[str, ...] = fmt.DTYPES,
     intermediates: bool = True,
+    truth: bool = False,
 ) -> Path:
-    """Write a v1 dump set of the standard `cases` under `root`, computed by the numpy reference."""
+    """Write a v1 dump set of the standard `cases` under `root`, computed by the numpy reference;
+    with `truth`, the float64 truth of the output, final states and intermediates of every run too."""
     root = Path(root)
     (root / fmt.CASES_DIR).mkdir(parents=True, exist_ok=True)
     weights = tiny_weights(config, seed)
     manifest_cases = []
     rng = np.random.default_rng(seed)
     for spec in fmt.select_cases(list(cases)):
-        arrays = case_arrays(spec, config, weights, rng, dtypes, intermediates)
+        arrays = case_arrays(spec, config, weights, rng, dtypes, intermediates, truth)
         manifest_cases.append(
             {
                 "id": spec.case_id,
@@ -121,6 +129,12 @@ def write_dump_set(
         "generator": "tests.conformance.synthetic",
         "cases": manifest_cases,
     }
+    if truth:
+        manifest["truth"] = {
+            "dtype": "float64",
+            "implementation": "tests.conformance.truth_layer: the layer in float64 numpy",
+            "names": list(fmt.TRUTH_NAMES),
+        }
     (root / fmt.MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
     return root
 

@@ -69,12 +69,19 @@ def test_output_offset_is_below_bf16_resolution() -> None:
     assert comparison.passed
 
 
-def test_reference_adapter_passes_every_check(synthetic_dumps: Path) -> None:
-    dumps = DumpSet(str(synthetic_dumps))
+# The cases the numpy reference is held to on golden: one and several sequences, an initial state, a
+# 1-token sequence, and decodes of every token.
+REFERENCE_CASES = ["T1", "T8", "T65", "varlen_unbalanced_5_17_1_41", "varlen_initstate"]
+
+
+def test_numpy_reference_passes_every_check_on_golden() -> None:
+    """The numpy reference writes the synthetic dump sets of the other tests: hold it to golden, which
+    transformers' torch layer computed, so that its own dumps are not its only oracle."""
+    dumps = DumpSet(str(GOLDEN))
     runner = CheckRunner(dumps, NumpyAdapter, "auto", TolerancePolicy.load())
 
     failed, ran = [], 0
-    for spec in plan(dumps, dumps.case_ids(), ["fp32", "bf16"]):
+    for spec in plan(dumps, REFERENCE_CASES, ["fp32", "bf16"]):
         try:
             comparison = runner.run(spec)
         except CheckSkipped:

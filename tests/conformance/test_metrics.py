@@ -30,7 +30,7 @@ def test_records_every_number_and_the_worst_position() -> None:
     assert c.worst["index"] == {"token": 1, "head": 1, "channel": 2}
     assert c.nrmse == pytest.approx(math.hypot(1e-4, 1.5e-5) / 2.0, rel=1e-3)
     assert (
-        "2 of 24 elements (8.33%) outside 1e-05 + 1e-05*|ref|; worst at token 1, head 1, channel 2"
+        "2 of 24 elements (8.3%) outside 1e-05 + 1e-05*|ref|; worst at token 1, head 1, channel 2"
         in c.summary()
     )
 
@@ -100,5 +100,5 @@ def test_policy_file_and_overrides(tmp_path: Path) -> None:
     ):
         TolerancePolicy.load(tmp_path / "t.toml")
     (tmp_path / "t.toml").write_text(text.replace("atol = 3e-5", "atol = -1"))
-    with pytest.raises(ValueError, match="tolerance atol must be a number >= 0, got -1"):
+    with pytest.raises(ValueError, match="tolerance atol must be a finite number >= 0, got -1"):
         TolerancePolicy.load(tmp_path / "t.toml")

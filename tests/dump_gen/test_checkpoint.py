@@ -10,9 +10,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dump_gen.checkpoint import INDEX_FILE, read_layer
+import dump_gen.weights
+from dump_gen.checkpoint import read_layer
 from dump_gen.errors import DumpError
 from dump_gen.weights import synthetic_weights
+from kda_spec.checkpoint import INDEX_FILE
 from kda_spec.config import get_preset
 from kda_spec.dump_format import weight_shapes
 from kda_spec.weight_names import layer_prefix
@@ -105,6 +107,29 @@ def test_wrong_shape(checkpoint: tuple[Path, dict[str, np.ndarray]]) -> None:
         read_layer(str(root), LAYER, CONFIG.replace(hidden_size=64))
 
 
+@pytest.mark.parametrize(
+    ("shard", "complaint"),
+    [
+        ("/etc/passwd", "outside the checkpoint folder"),
+        ("../elsewhere.safetensors", "outside the checkpoint folder"),
+        ("sub/../../x.safetensors", "outside the checkpoint folder"),
+        (7, "expected a file name"),
+        (None, "expected a file name"),
+    ],
+)
+def test_index_shard_names_stay_in_the_folder(
+    shard: object, complaint: str, checkpoint: tuple[Path, dict[str, np.ndarray]]
+) -> None:
+    root, _ = checkpoint
+    index = json.loads((root / INDEX_FILE).read_text())
+    key = layer_prefix(LAYER) + "o_proj.weight"
+    index["weight_map"][key] = shard
+    (root / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(DumpError, match=complaint) as raised:
+        read_layer(str(root), LAYER, CONFIG)
+    assert f"key {key!r} names shard {shard!r}" in str(raised.value) and "\n" not in str(raised.value)
+
+
 def test_not_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(DumpError, match=r"neither model\.safetensors\.index\.json nor model\.safetensors"):
         read_layer(str(tmp_path), LAYER, CONFIG)
@@ -112,7 +137,7 @@ def test_not_a_checkpoint(tmp_path: Path) -> None:
 
 def test_not_a_kda_layer(checkpoint: tuple[Path, dict[str, np.ndarray]]) -> None:
     root, _ = checkpoint
-    with pytest.raises(DumpError, match="--layer 3 is not a KDA layer"):
+    with pytest.raises(DumpError, match=r"layer 3 is not a KDA layer of preset 'kimi-linear-48b-a3b'"):
         read_layer(str(root), 3, get_preset("kimi-linear-48b-a3b"))
 
 
@@ -130,3 +155,34 @@ def test_cli_writes_the_checkpoint_weights(
     (root / "model-00001-of-00002.safetensors").unlink()
     assert dump(tmp_path / "other", "--checkpoint", str(root), "--layer", str(LAYER), cases=["T1"]) == 2
     assert "model-00001-of-00002.safetensors" in capsys.readouterr().err
+
+
+def test_all_nan_checkpoint_layer_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    weights = {name: np.full_like(array, np.nan) for name, array in synthetic_weights(CONFIG, seed=7).items()}
+    write_checkpoint(tmp_path, weights)
+    out = tmp_path / "set"
+    assert dump(out, "--checkpoint", str(tmp_path), "--layer", str(LAYER), cases=["T1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the libraries' own warnings
+    assert err.startswith("dump_gen: error: weight 'q_proj.weight'"), err
+    assert "holds NaN or Inf" in err
+    assert not out.exists() and not list(tmp_path.glob(".set.staging-*"))
+
+
+def test_reference_overflowing_to_inf_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Finite weights whose output overflows float32: the first non-finite result is named."""
+    real_synthetic_weights = dump_gen.weights.synthetic_weights
+
+    def huge_output_projection(config, seed):
+        weights = real_synthetic_weights(config, seed)
+        weights["o_norm.weight"] = weights["o_norm.weight"] * np.float32(1e30)
+        weights["o_proj.weight"] = weights["o_proj.weight"] * np.float32(1e30)
+        return weights
+
+    monkeypatch.setitem(dump_gen.weights.WEIGHTS_KINDS, "synthetic", huge_output_projection)
+    out = tmp_path / "set"
+    assert dump(out, cases=["T1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the libraries' own warnings
+    assert err.startswith("dump_gen: error: case T1: reference result 'out_fp32' holds NaN or Inf"), err
+    assert not out.exists() and not list(tmp_path.glob(".set.staging-*"))

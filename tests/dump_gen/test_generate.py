@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 
 import fsspec
 import numpy as np
 import pytest
 
-import dump_gen.generate
 from kda_spec import dump_format as fmt
 from tests.dump_gen.conftest import CASES, dump
 from tests.dump_gen.validate import read_manifest, read_npz, split_key, validate_set
@@ -76,27 +74,6 @@ def test_deterministic(transformers_set: Path, tmp_path: Path) -> None:
     np.testing.assert_array_equal(
         subset["hidden_states"], case_arrays(transformers_set, "varlen_initstate")["hidden_states"]
     )
-
-
-def test_failure_midway_leaves_no_manifest(monkeypatch: pytest.MonkeyPatch) -> None:
-    url = "memory://dump_gen-test/crash"
-    fs, root = fsspec.core.url_to_fs(url)
-    assert dump(url, cases=["T1"]) == 0
-    assert fs.exists(f"{root}/manifest.json")
-    calls = itertools.count()
-    real_case_arrays = dump_gen.generate.case_arrays
-
-    def failing_second_case(*args, **kwargs):
-        if next(calls) == 1:
-            raise RuntimeError("injected failure")
-        return real_case_arrays(*args, **kwargs)
-
-    monkeypatch.setattr(dump_gen.generate, "case_arrays", failing_second_case)
-    with pytest.raises(RuntimeError, match="injected failure"):
-        dump(url, cases=["T1", "T8"])
-    assert fs.exists(f"{root}/cases/T1.npz")
-    assert not fs.exists(f"{root}/manifest.json")
-    fs.rm(root, recursive=True)
 
 
 def test_memory_round_trip(transformers_set: Path) -> None:

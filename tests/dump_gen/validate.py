@@ -1,4 +1,5 @@
-"""A strict check of a written dump set against format v1, for the tests: schema, checksums, shapes, dtype."""
+"""A strict check of a written dump set against format v1, for the tests: schema, checksums, shapes, dtype,
+and the float64 truth of both runs."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ MANIFEST_FIELDS = {
     "weights",
     "created",
     "generator",
+    "truth",
     "cases",
 }
 CASE_FIELDS = {"id", "file", "sha256", "seq_lens", "initial_state", "layer_kernel_path", "keys"}
@@ -38,7 +40,11 @@ def read_npz(url: str, relpath: str, sha256: str) -> dict[str, np.ndarray]:
 
 
 def split_key(key: str) -> tuple[str, str]:
-    """A result key as (name, dtype)."""
+    """A result key as (name, dtype); a truth key as (name, "fp64") or (name, "bf16_fp64")."""
+    truth = fmt.split_truth_key(key)
+    if truth is not None:
+        name, dtype = truth
+        return name, "fp64" if dtype == "fp32" else "bf16_fp64"
     if key.startswith("out_"):
         return "out", key[len("out_") :]
     if key.endswith("_bf16"):
@@ -53,6 +59,9 @@ def validate_set(url: str) -> dict:
     assert manifest["format"] == fmt.FORMAT_NAME and manifest["version"] == fmt.FORMAT_VERSION
     config = manifest["config"]
     assert set(manifest["reference"]) >= {"name", "versions", "device", "patches"}
+    truth = manifest["truth"]
+    assert truth["dtype"] == fmt.TRUTH_DTYPE and truth["implementation"].startswith("dump_gen.truth")
+    assert set(truth["names"]) <= set(fmt.TRUTH_NAMES), truth["names"]
     weights = read_npz(url, manifest["weights"]["file"], manifest["weights"]["sha256"])
     expected_weights = fmt.weight_shapes(config)
     assert list(weights) == list(expected_weights)
@@ -77,12 +86,21 @@ def validate_set(url: str) -> dict:
             )
             if key == "cu_seqlens":
                 continue
-            bits = dtype == "bf16" and name not in fmt.FP32_IN_BF16_RUN
-            assert array.dtype == (np.uint16 if bits else np.float32), f"{key}: {array.dtype}"
+            if dtype in ("fp64", "bf16_fp64"):
+                assert array.dtype == np.float64, f"{key}: {array.dtype}"
+            else:
+                bits = dtype == "bf16" and name not in fmt.FP32_IN_BF16_RUN
+                assert array.dtype == (np.uint16 if bits else np.float32), f"{key}: {array.dtype}"
             assert np.isfinite(fmt.decode_array(array)).all(), key
         for dtype in fmt.DTYPES:
             for name in (fmt.OUTPUT_KEY, *fmt.KERNEL_KEYS):
                 assert fmt.result_key(name, dtype) in arrays, (
                     f"{case['id']}: no {fmt.result_key(name, dtype)}"
+                )
+            with_intermediates = tokens <= truth["intermediates_max_tokens"]
+            for name in fmt.TRUTH_NAMES:
+                stored = fmt.truth_key(name, dtype) in arrays
+                assert stored == (name in ("out", "recurrent_state") or with_intermediates), (
+                    f"{case['id']}: {fmt.truth_key(name, dtype)} {'stored' if stored else 'missing'}"
                 )
     return manifest

@@ -1,5 +1,5 @@
-"""Shared pieces of the kda_impl tests: configs, realistic random weights, a serving-path runner and the
-transformers reference layer.
+"""Shared pieces of the kda_impl tests: configs, realistic random weights, a serving-path runner, the
+transformers reference layer, and the seed that replays a failed test in its report.
 
 Compilation dominates the run time on a CPU, so the runners are built once per (config, dtype) and every
 batch is padded to one token bucket (`TOKEN_BUCKET`): each runner compiles one EXTEND and one DECODE step.
@@ -24,6 +24,7 @@ from kda_impl.model_executor.forward_batch import ForwardBatch, ForwardMode, mak
 from kda_impl.models.kimi_linear import jit_forward
 from kda_impl.weights import layer_from_hf_weights
 from kda_spec.config import KDAConfig, get_preset
+from tests.kda_impl.kernel_inputs import SEED_ENV
 
 TOKEN_BUCKET = 256  # every test batch has at most this many tokens
 NUM_SLOTS = 16
@@ -91,7 +92,9 @@ class LayerRunner:
 
     def batch(self, mode: ForwardMode, seq_lens: Sequence[int], slots: Sequence[int]) -> ForwardBatch:
         indices = self.pool.get_recurrent_indices(slots)
-        return make_forward_batch(self.backend, mode, seq_lens, indices, min_tokens=TOKEN_BUCKET)
+        return make_forward_batch(
+            self.backend, mode, seq_lens, indices, num_slots=self.pool.num_slots, min_tokens=TOKEN_BUCKET
+        )
 
     def run(self, batch: ForwardBatch, xs: Sequence[np.ndarray]) -> Step:
         lens = [len(x) for x in xs]
@@ -125,6 +128,16 @@ class LayerRunner:
 
     def release(self) -> None:
         self.free(sorted(self.allocated))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failed test that drew seeded inputs (`kernel_inputs.seeded_rng`) names the seed that replays it."""
+    outcome = yield
+    report = outcome.get_result()
+    seeds = [value for name, value in item.user_properties if name == SEED_ENV]
+    if report.failed and seeds:
+        report.sections.append((SEED_ENV, f"replay with {SEED_ENV}={seeds[0]} (and the same test id)"))
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,16 @@
-"""Seeded random KDA kernel inputs, the fla reference and the kernel call, shared by the kernel tests."""
+"""Random KDA kernel inputs from replayable seeds (`$KDA_TEST_SEED`), the fla reference and the kernel call,
+shared by the kernel tests."""
 
 from __future__ import annotations
 
+import os
+import zlib
+
 import numpy as np
+import pytest
+
+SEED_ENV = "KDA_TEST_SEED"
+DEFAULT_SEED = 1234
 
 
 def random_kernel_inputs(
@@ -43,12 +51,20 @@ def l2normalise(x: np.ndarray) -> np.ndarray:
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-def fresh_rng(request) -> np.random.Generator:
-    """A fresh seed each run, printed and recorded with the test so that a failure can be replayed."""
-    seed = np.random.SeedSequence().entropy % 2**32
-    request.node.user_properties.append(("seed", seed))
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
+def seed_from_env() -> int:
+    """The tests' base seed: `$KDA_TEST_SEED`, else `DEFAULT_SEED`."""
+    text = os.environ.get(SEED_ENV, str(DEFAULT_SEED))
+    if not text.strip().isdigit():
+        raise ValueError(f"${SEED_ENV}={text!r} must be a non-negative integer")
+    return int(text)
+
+
+def seeded_rng(request: pytest.FixtureRequest) -> np.random.Generator:
+    """The test's generator: the base seed mixed with the test's id, so every test draws its own inputs,
+    the same ones each run. The seed is recorded with the test; a failure report names it (conftest)."""
+    seed = seed_from_env()
+    request.node.user_properties.append((SEED_ENV, seed))
+    return np.random.default_rng([seed, zlib.crc32(request.node.nodeid.encode())])
 
 
 def fla_reference(
@@ -91,3 +107,14 @@ def run_kernel(kernel, inputs: dict[str, np.ndarray], **kwargs) -> tuple[np.ndar
         output_final_state=True, use_qk_l2norm_in_kernel=True, **kwargs,
     )  # fmt: skip
     return np.asarray(o), np.asarray(state)
+
+
+def with_full_resets(
+    inputs: dict[str, np.ndarray], rng: np.random.Generator, tokens: list[int], fraction: float = 0.02
+) -> dict[str, np.ndarray]:
+    """`inputs` with g = -inf (a full reset, exp(g) = 0) on every channel of the given packed tokens and on
+    a random `fraction` of the other (token, head, channel) entries."""
+    g = inputs["g"].copy()
+    g[rng.uniform(size=g.shape) < fraction] = -np.inf
+    g[:, tokens] = -np.inf
+    return {**inputs, "g": g}

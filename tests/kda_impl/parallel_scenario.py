@@ -82,7 +82,9 @@ class MeshRunner:
         """One forward of the requests' tokens `xs[i]` `[L_i, hidden]`: their outputs, in request order."""
         seq_lens = [[len(xs[i]) for i in requests] for requests in self.ranks]
         indices = [self.pool.get_recurrent_indices(rank_slots, rank) for rank, rank_slots in enumerate(slots)]
-        batch = make_dp_forward_batch(self.backend, mode, seq_lens, indices, min_tokens=TOKEN_BUCKET)
+        batch = make_dp_forward_batch(
+            self.backend, mode, seq_lens, indices, num_slots=self.pool.num_slots, min_tokens=TOKEN_BUCKET
+        )
         hidden = np.zeros((batch.num_tokens, CONFIG.hidden_size), np.float32)
         rows = {}
         for rank, requests in enumerate(self.ranks):

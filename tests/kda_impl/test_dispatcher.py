@@ -68,12 +68,54 @@ def test_unimportable_pallas_falls_back_once_with_the_reason(monkeypatch, fresh_
         kernels.resolve_kernel("pallas")
 
 
-def test_pallas_that_does_not_lower_falls_back(monkeypatch, fresh_dispatcher, caplog):
-    """On a 'TPU' whose Mosaic lowering fails (here: a CPU pretending), auto takes plain JAX."""
+PROBED_KERNELS = ("chunk_kda", "fused_recurrent_kda", "decode_kda_slots")
+
+
+def stand_in_pallas_kernels(monkeypatch, failing: str | None) -> list[str]:
+    """Replace the Pallas kernels the dispatcher probes on TPU by stand-ins that lower (there is no TPU to
+    lower for here), except `failing`, whose lowering raises; returns the list of probed kernels."""
+    from kda_impl.kernels import pallas
+
+    probed: list[str] = []
+
+    def stand_in(name: str):
+        def kernel(q, *args, **kwargs):
+            probed.append(name)
+            if name == failing:
+                raise RuntimeError("injected Mosaic failure")
+            return q
+
+        return kernel
+
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    for name in PROBED_KERNELS:
+        monkeypatch.setattr(pallas, name, stand_in(name))
+    return probed
+
+
+def test_pallas_that_does_not_lower_falls_back(monkeypatch, fresh_dispatcher, caplog):
+    """On a TPU where a Pallas kernel fails to lower (injected), auto takes plain JAX and logs the kernel
+    and the reason once."""
+    probed = stand_in_pallas_kernels(monkeypatch, failing="fused_recurrent_kda")
     with caplog.at_level(logging.WARNING, logger="kda_impl.kernels"):
         assert kernels.resolve_kernel("auto") == "naive"
-    assert any("does not lower on tpu" in r.message for r in caplog.records)
+        assert kernels.resolve_kernel("auto") == "naive"
+    assert probed == ["chunk_kda", "fused_recurrent_kda"]  # probed once, stopping at the failure
+    fallback_lines = [r.message for r in caplog.records if "using plain JAX" in r.message]
+    assert fallback_lines == [
+        "KDA kernels: using plain JAX (naive) instead of Pallas: fused_recurrent_kda does not lower on tpu: "
+        "RuntimeError: injected Mosaic failure"
+    ]
+    assert kernels.resolve_kernel("pallas") == "pallas"  # forcing still takes Pallas
+
+
+def test_pallas_that_lowers_is_chosen_on_tpu(monkeypatch, fresh_dispatcher, caplog):
+    """On a TPU where every probe lowers, auto takes Pallas and logs nothing."""
+    probed = stand_in_pallas_kernels(monkeypatch, failing=None)
+    with caplog.at_level(logging.WARNING, logger="kda_impl.kernels"):
+        assert kernels.resolve_kernel("auto") == "pallas"
+    assert probed == list(PROBED_KERNELS)
+    assert not [r for r in caplog.records if "using plain JAX" in r.message]
 
 
 def test_gate_in_kernel_equals_precomputed_gate_on_both_paths():
@@ -96,3 +138,7 @@ def test_gate_in_kernel_equals_precomputed_gate_on_both_paths():
         np.testing.assert_allclose(np.asarray(o), np.asarray(expected), **FP32)
     with pytest.raises(ValueError, match="only used with use_gate_in_kernel=True"):
         kernels.chunk_kda(**inputs, A_log=a_log, kernel="naive")
+    integer_gate = {**inputs, "g": raw.astype(np.int32)}
+    for kernel in ("naive", "pallas"):  # an integer raw gate is refused on both paths, before the gate
+        with pytest.raises(ValueError, match=r"^g must be a floating-point array, got dtype int32$"):
+            kernels.chunk_kda(**integer_gate, use_gate_in_kernel=True, A_log=a_log, kernel=kernel)

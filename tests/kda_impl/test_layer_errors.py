@@ -120,7 +120,7 @@ def test_slot_out_of_range_or_unallocated(slot, message, runner_for):
 )
 def test_bad_batch_requests(mode, seq_lens, slots, message, runner_for):
     with pytest.raises(ValueError, match=message):
-        make_forward_batch(runner_for("mini").backend, mode, seq_lens, slots)
+        make_forward_batch(runner_for("mini").backend, mode, seq_lens, slots, num_slots=NUM_SLOTS)
 
 
 def test_a_non_kda_layer_index_is_refused():

@@ -117,13 +117,13 @@ def test_a_batch_or_pool_for_another_data_axis_is_refused():
     layer = KimiDeltaAttention(CONFIG, 0, AbstractMesh((2, 1), MESH_AXES), jnp.float32, rngs=nnx.Rngs(0))
     pool = RecurrentStatePool.create(CONFIG, 4, layer_ids=(0,))
     backend = KDAAttnBackend(kernel="naive")
-    batch = make_forward_batch(backend, ForwardMode.DECODE, [1], pool.alloc(1))
+    batch = make_forward_batch(backend, ForwardMode.DECODE, [1], pool.alloc(1), num_slots=pool.num_slots)
     hidden = np.zeros((batch.num_tokens, CONFIG.hidden_size), np.float32)
     with pytest.raises(
         ValueError, match=r"dp=2 data ranks, but the batch has dp_size=1 and the pool dp_size=1"
     ):
         layer(hidden, batch.positions, batch, pool)
     with pytest.raises(ValueError, match=r"data rank 1: seq_lens must be a 1-D list"):
-        make_dp_forward_batch(backend, ForwardMode.EXTEND, [[3], [[1, 2]]], [[1], [[1, 2]]])
+        make_dp_forward_batch(backend, ForwardMode.EXTEND, [[3], [[1, 2]]], [[1], [[1, 2]]], num_slots=4)
     with pytest.raises(ValueError, match=r"dp_rank=1 is not a data rank of this pool \(it has 1\)"):
         pool.alloc(1, dp_rank=1)

@@ -59,7 +59,7 @@ def test_exhaustion_names_request_and_capacity():
         ([0], r"slot 0 is out of range: real slots are 1\.\.4"),
         ([5], r"slot 5 is out of range: real slots are 1\.\.4"),
         ([3], r"slot\(s\) \[3\] are not allocated \(double free\?\)"),
-        ([1, 1], r"frees a slot twice"),
+        ([1, 1], r"slot list \[1, 1\] frees slot 1 twice"),
     ],
 )
 def test_free_rejects_bad_slots(to_free, message):

@@ -16,7 +16,7 @@ from kda_impl.layers.short_conv import short_conv_with_state
 from kda_impl.mem_cache.recurrent_state_pool import DUMMY_SLOT
 from kda_impl.model_executor.forward_batch import ForwardMode, make_forward_batch
 from kda_impl.server_args import ServerArgs
-from tests.kda_impl.conftest import CONFIGS, assert_close, random_states, random_tokens
+from tests.kda_impl.conftest import CONFIGS, NUM_SLOTS, assert_close, random_states, random_tokens
 
 SEQ_LEN = 100  # crosses a 64-token chunk boundary
 
@@ -187,7 +187,9 @@ def test_short_conv_keeps_sequences_apart():
 
 def test_batches_are_padded_to_buckets_with_the_dummy_slot(runner_for):
     backend = runner_for("mini").backend
-    batch = make_forward_batch(backend, ForwardMode.EXTEND, [5, 60, 2], [3, 1, 2], prefix_lens=[0, 4, 10])
+    batch = make_forward_batch(
+        backend, ForwardMode.EXTEND, [5, 60, 2], [3, 1, 2], num_slots=NUM_SLOTS, prefix_lens=[0, 4, 10]
+    )
     metadata = batch.attn_backend.forward_metadata
     assert batch.num_tokens == 128 and batch.batch_size == 8
     np.testing.assert_array_equal(metadata.cu_q_lens, [0, 5, 65, 67, 128, 128, 128, 128, 128])
@@ -196,7 +198,7 @@ def test_batches_are_padded_to_buckets_with_the_dummy_slot(runner_for):
     np.testing.assert_array_equal(positions[:8], [0, 1, 2, 3, 4, 4, 5, 6])
     np.testing.assert_array_equal(positions[65:], [10, 11] + [0] * 61)
 
-    decode = make_forward_batch(backend, ForwardMode.DECODE, [1] * 9, list(range(1, 10)))
+    decode = make_forward_batch(backend, ForwardMode.DECODE, [1] * 9, list(range(1, 10)), num_slots=NUM_SLOTS)
     assert decode.num_tokens == decode.batch_size == 16
     np.testing.assert_array_equal(decode.attn_backend.forward_metadata.cu_q_lens, np.arange(17))
     assert (

@@ -12,7 +12,8 @@ from safetensors.flax import save_file
 
 from dump_gen.references.transformers_names import hf_to_transformers, transformers_to_hf
 from dump_gen.weights import synthetic_weights
-from kda_impl.weights import INDEX_FILE, SINGLE_FILE, layer_from_checkpoint, layer_from_hf_weights
+from kda_impl.weights import layer_from_checkpoint, layer_from_hf_weights
+from kda_spec.checkpoint import INDEX_FILE, SINGLE_FILE
 from kda_spec.config import get_preset
 from kda_spec.weight_names import layer_prefix
 
@@ -121,7 +122,7 @@ def test_sharded_checkpoint_reads_only_the_shards_of_the_layer(tmp_path):
     (tmp_path / "model-00003-of-00003.safetensors").unlink()  # layer 0 never needs it
     assert_holds(layer_from_checkpoint(CONFIG, tmp_path, 0, jnp.float32), weights)
     with pytest.raises(
-        FileNotFoundError, match=r"shard 'model-00003-of-00003.safetensors' listed in .* is missing"
+        FileNotFoundError, match=r"shard .*/model-00003-of-00003\.safetensors \(listed in .*\) does not exist"
     ):
         layer_from_checkpoint(CONFIG, tmp_path, 2, jnp.float32)
 
@@ -139,7 +140,9 @@ def test_missing_key_names_the_key_and_the_folder(tmp_path):
     weights = synthetic_weights(CONFIG, seed=0)
     del weights["g_b_proj.weight"]
     write_checkpoint(tmp_path, {SINGLE_FILE: prefixed(weights, 0)})
-    with pytest.raises(KeyError, match=rf"{tmp_path}: missing weight 'g_b_proj.weight' of layer 0"):
+    with pytest.raises(
+        KeyError, match=rf"{tmp_path}/{SINGLE_FILE}: no key 'model.layers.0.self_attn.g_b_proj.weight'"
+    ):
         layer_from_checkpoint(CONFIG, tmp_path, 0, jnp.float32)
 
 
@@ -147,13 +150,18 @@ def test_wrong_shape_names_the_key_and_both_shapes(tmp_path):
     weights = synthetic_weights(CONFIG, seed=0)
     weights["dt_bias"] = np.zeros(CONFIG.proj_dim + 1, np.float32)
     write_checkpoint(tmp_path, {SINGLE_FILE: prefixed(weights, 0)})
-    with pytest.raises(ValueError, match=r"weight 'dt_bias' has shape \(129,\), expected \(128,\)"):
+    with pytest.raises(
+        ValueError, match=r"key 'model.layers.0.self_attn.dt_bias' has shape \[129\], expected \[128\]"
+    ):
         layer_from_checkpoint(CONFIG, tmp_path, 0, jnp.float32)
 
 
 def test_non_kda_layer_is_refused(tmp_path):
     write_checkpoint(tmp_path, {SINGLE_FILE: prefixed(synthetic_weights(CONFIG, seed=0), 0)})
-    with pytest.raises(ValueError, match=r"layer 1 is not a KDA layer \(1-based kda_layers=\(1, 3\)\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"layer 1 is not a KDA layer of preset 'mini'; its KDA layers \(0-based\) are \[0, 2\]",
+    ):
         layer_from_checkpoint(CONFIG, tmp_path, 1, jnp.float32)
 
 
@@ -164,8 +172,31 @@ def test_layer_absent_from_the_checkpoint(tmp_path):
 
 
 def test_folder_without_a_checkpoint(tmp_path):
-    with pytest.raises(FileNotFoundError, match=rf"no {INDEX_FILE} or {SINGLE_FILE}"):
+    with pytest.raises(FileNotFoundError, match=rf"has neither {INDEX_FILE} nor {SINGLE_FILE}"):
         layer_from_checkpoint(CONFIG, tmp_path, 0, jnp.float32)
+
+
+@pytest.mark.parametrize("shard", ["../model.safetensors", "/tmp/model.safetensors", ["model.safetensors"]])
+def test_index_shard_outside_the_folder_or_not_a_name_is_refused(tmp_path, shard):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    names = sorted(synthetic_weights(CONFIG, seed=0))
+    weights = synthetic_weights(CONFIG, seed=0)
+    write_checkpoint(
+        folder,
+        {
+            "a.safetensors": prefixed({n: weights[n] for n in names[:7]}, 0),
+            "b.safetensors": prefixed({n: weights[n] for n in names[7:]}, 0),
+        },
+    )
+    write_checkpoint(tmp_path, {SINGLE_FILE: prefixed(weights, 0)})  # what '..' would reach
+    index = json.loads((folder / INDEX_FILE).read_text())
+    key = layer_prefix(0) + names[0]
+    index["weight_map"][key] = shard
+    (folder / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"key '{key}' names shard") as raised:
+        layer_from_checkpoint(CONFIG, folder, 0, jnp.float32)
+    assert repr(shard) in str(raised.value)
 
 
 def test_unknown_weight_in_a_dict():

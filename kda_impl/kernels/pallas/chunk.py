@@ -1,6 +1,6 @@
-"""`chunk_kda` as a Pallas kernel: the chunked (WY) form of `kda_impl.kernels.naive_chunk`, fused.
+"""`chunk_kda` as a Pallas kernel: the chunked (WY) form of `kda_impl.kernels.chunk`, fused.
 
-Reference: `kda_impl.kernels.naive_chunk.chunk_kda` (same algorithm in plain JAX, whose docstring derives
+Reference: `kda_impl.kernels.chunk.chunk_kda` (same algorithm in plain JAX, whose docstring derives
 it) and `naive_recurrent.fused_recurrent_kda` (the recurrence itself); the tests hold all three equal.
 
 Grid `(H, NC)`: heads in parallel, the chunks of the packed batch in order. Each step takes one chunk
@@ -15,7 +15,7 @@ Decays (no exponent ever overflows or is a difference of two long prefix sums, w
 once strong decays precede weak ones): every exponent is a direct segment sum of g, a 0/1 mask matmul.
 For the rows of a 16-row sub-block starting at row s, the columns before s factorise around s,
 `exp(seg(s, i]) * exp(seg(j, s])`, both factors <= 1; the 16x16 diagonal blocks take the exact
-element-wise `exp(seg(j, i])`, one block-local column at a time for all blocks together. (naive_chunk
+element-wise `exp(seg(j, i])`, one block-local column at a time for all blocks together. (chunk.py
 reaches the same values by recursive halving; the 16-row scheme keeps every in-kernel op 2-D.)
 """
 
@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kda_impl.kernels.common import initial_or_zeros, kda_gate, prepare_inputs
-from kda_impl.kernels.naive_chunk import _to_chunks
+from kda_impl.kernels.chunk import _to_chunks
+from kda_impl.kernels.common import finite_log_decay, initial_or_zeros, kda_gate, prepare_inputs
 from kda_impl.kernels.pallas.common import (
     chunk_schedule,
     dot,
@@ -222,6 +222,7 @@ def _chunk_kernel(
     if use_gate_in_kernel:  # padded rows must keep g = 0 so that they leave the state unchanged
         valid = jax.lax.broadcasted_iota(jnp.int32, (g.shape[0], 1), 0) < rows_ref[chunk]
         g = jnp.where(valid, kda_gate(g, a_log_ref[...], dt_bias_ref[...]), 0.0)
+    g = finite_log_decay(g)  # g = -inf (a full reset) would make the mask matmuls 0 * -inf = NaN
     q, k, v, beta = q_ref[...], k_ref[...], v_ref[...], beta_ref[...]
 
     prefix, to_end, from_block_start = _segment_sums(g)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kda_impl.kernels.chunk import ChunkLayout, chunk_layout
 from kda_impl.kernels.common import HIGHEST
-from kda_impl.kernels.naive_chunk import ChunkLayout, chunk_layout
 
 COLUMNS = 4  # q, k, g, beta of one token as the columns of a [K, 4] block (see `pack_columns`)
 

@@ -7,7 +7,11 @@ layer index are scalar prefetched, so the index map of the state block reads `[l
 each step DMAs exactly its request's `[hb, K, V]` states in and the updated ones out. The pool buffer
 is aliased input → output (`input_output_aliases`), so the slots of other requests are never read or
 written and, with the buffer donated by the caller's jit, decode neither gathers nor scatters the pool.
-Slot indices must be distinct.
+
+Slot contract (as the plain-JAX decode's): real rows use distinct slots 1..S-1, padding rows the dummy
+slot 0 (their steps race on it: what it holds afterwards is unspecified). The indices are routed before
+they are prefetched: inside `jit` an out-of-range or repeated non-dummy index becomes the dummy slot, so
+no DMA ever reads or writes a real slot through it (nor outside the buffer).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from kda_impl.kernels.common import prepare_inputs
 from kda_impl.kernels.naive_decode import as_layered_pool, validate_decode_inputs
 from kda_impl.kernels.pallas.common import COLUMNS, column_step, pack_columns, resolve_interpret
 from kda_impl.kernels.pallas.tuning import decode_heads_per_step
+from kda_impl.kernels.slots import route_unsafe_slots_to_dummy
 
 
 def decode_kda_slots(
@@ -33,7 +38,7 @@ def decode_kda_slots(
     beta: jax.Array,  # [B, H]
     *,
     state_buffer: jax.Array,  # [S, H, K, V] one layer of the pool, or [L, S, H, K, V] with layer_index
-    slot_indices: jax.Array,  # i32[B], distinct
+    slot_indices: jax.Array,  # int[B]: distinct real slots 1..S-1, padding rows 0
     layer_index: int | jax.Array | None = None,
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
@@ -41,7 +46,8 @@ def decode_kda_slots(
 ) -> tuple[jax.Array, jax.Array]:
     """One recurrence step per request on its own slot's state, updated in place.
 
-    Returns `(o [B, H, V] in q's dtype, state_buffer with the given slots updated)`.
+    Returns `(o [B, H, V] in q's dtype, state_buffer with the given slots updated)`. Slot indices are
+    checked (outside `jit`) or routed to the dummy slot (inside it) as in `naive_decode.decode_kda_slots`.
     """
     pool = as_layered_pool(state_buffer, layer_index)
     layer = 0 if layer_index is None else layer_index
@@ -50,7 +56,7 @@ def decode_kda_slots(
     q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     _, heads, key_dim = q.shape
     o, pool = _decode(
-        jnp.asarray(slot_indices, jnp.int32),
+        route_unsafe_slots_to_dummy(slot_indices, pool.shape[1]),
         jnp.asarray(layer, jnp.int32).reshape(1),
         pack_columns(q * scale, k, g, beta),
         v[:, :, None, :],
@@ -63,7 +69,7 @@ def decode_kda_slots(
 
 @functools.partial(jax.jit, static_argnames=("heads_per_step", "interpret"))
 def _decode(
-    slot_indices: jax.Array,  # i32[B]
+    slot_indices: jax.Array,  # i32[B], routed: each in 0..S-1, real ones distinct
     layer_index: jax.Array,  # i32[1]
     columns: jax.Array,  # [B, H, K, 4] q (scaled), k, g, beta
     v: jax.Array,  # [B, H, 1, V]

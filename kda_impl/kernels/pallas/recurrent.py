@@ -4,7 +4,7 @@ Reference: `kda_impl.kernels.naive_recurrent.fused_recurrent_kda`, whose step `c
 for line.
 
 B requests × T tokens and packed batches (`cu_seqlens`) run the same way: every sequence is cut into its
-own zero-padded blocks of `RECURRENT_TOKENS_PER_STEP` tokens (naive_chunk's chunk layout; a padded token
+own zero-padded blocks of `RECURRENT_TOKENS_PER_STEP` tokens (chunk.py's chunk layout; a padded token
 has k = g = beta = 0 and leaves the state unchanged). Grid `(H, NC)`: heads in parallel, blocks in order;
 each step loops over its tokens with the state in VMEM scratch, reset from the sequence's initial state
 at its first block and written to its final-state block after each block, both chosen through the
@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kda_impl.kernels.chunk import _to_chunks
 from kda_impl.kernels.common import initial_or_zeros, prepare_inputs
-from kda_impl.kernels.naive_chunk import _to_chunks
 from kda_impl.kernels.pallas.common import (
     COLUMNS,
     chunk_schedule,

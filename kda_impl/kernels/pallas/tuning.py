@@ -8,7 +8,7 @@ kernels are laid out for.
 from __future__ import annotations
 
 CHUNK_SIZE = 64  # tokens per chunk of `chunk_kda`, as fla
-SUB_BLOCK = 16  # rows of the exact element-wise decay blocks in a chunk (see naive_chunk); a power of 2
+SUB_BLOCK = 16  # rows of the exact element-wise decay blocks in a chunk (see pallas/chunk.py); a power of 2
 RECURRENT_TOKENS_PER_STEP = 16  # tokens one grid step of `fused_recurrent_kda` loops over
 DECODE_STATE_BYTES_PER_STEP = 512 * 1024  # fp32 state bytes one decode grid step reads (and writes)
 

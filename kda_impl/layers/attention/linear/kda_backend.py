@@ -14,6 +14,11 @@ new states back. `KDAAttnBackend` binds the two kernel entry points to `kda_impl
 
 Under tensor or data parallelism the backend runs inside the layer's `shard_map`: it sees one device's
 heads, one data rank's requests and that rank's block of pool slots, and needs no collective.
+
+Slots (`kda_impl.kernels.slots`): `get_forward_metadata` refuses a batch whose real rows do not each have
+their own slot 1..num_slots (padding rows use the dummy slot 0). Inside `jit`, where the metadata cannot be
+checked, every state read and write goes through the pool's `safe_rows` or the decode kernel's own routing:
+an out-of-range or repeated slot index acts as the dummy slot and reads or writes no real request's state.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kda_impl.kernels import chunk_kda, decode_kda_slots, resolve_kernel
+from kda_impl.kernels.slots import as_int_array, check_request_slots
 from kda_impl.layers.short_conv import short_conv_with_state
 from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
 from kda_impl.model_executor.forward_batch import ForwardMode
@@ -43,7 +49,7 @@ class LinearRecurrentAttnBackendMetadata:
     """Per-batch arrays that cross the jit boundary inside the backend."""
 
     cu_q_lens: jax.Array  # i32[N+1] token offsets of the N requests (DECODE: 0, 1, ..., N)
-    recurrent_indices: jax.Array  # i32[N] pool slot of each request (padding: the dummy slot 0)
+    recurrent_indices: jax.Array  # i32[N] pool slot of each request: distinct 1..S, padding rows 0
 
     def tree_flatten(self) -> tuple[tuple[jax.Array, jax.Array], dict]:
         return (self.cu_q_lens, self.recurrent_indices), {}
@@ -96,21 +102,26 @@ class LinearRecurrentAttnBackend(abc.ABC):
         forward_mode: ForwardMode,
         seq_lens: np.ndarray,  # [N] tokens of each request in this step
         recurrent_indices: np.ndarray,  # [N] pool slots (from RecurrentStatePool.get_recurrent_indices)
+        *,
+        num_slots: int,  # the pool's real slots (per data rank)
     ) -> LinearRecurrentAttnBackendMetadata:
-        """The metadata of one batch (outside jit). DECODE batches must have one token per request."""
-        seq_lens = np.asarray(seq_lens)
-        recurrent_indices = np.asarray(recurrent_indices)
+        """The metadata of one padded batch (outside jit). DECODE batches must have one token per request.
+
+        A row on the dummy slot 0 is a padding row (any number of them); every other row is a real
+        request on its own slot 1..num_slots. ValueError naming the slot and the pool size otherwise, and
+        for float or bool lengths or slots.
+        """
+        seq_lens = as_int_array(seq_lens, "seq_lens")
+        recurrent_indices = as_int_array(recurrent_indices, "recurrent_indices")
         if seq_lens.ndim != 1 or recurrent_indices.shape != seq_lens.shape:
             raise ValueError(
                 f"seq_lens {seq_lens.shape} and recurrent_indices {recurrent_indices.shape} must both be [N]"
             )
         if forward_mode == ForwardMode.DECODE and np.any(seq_lens != 1):
             raise ValueError(f"DECODE needs one token per request, got seq_lens {seq_lens.tolist()}")
-        if np.any(seq_lens < 0) or np.any(recurrent_indices < 0):
-            raise ValueError(
-                f"seq_lens {seq_lens.tolist()} and recurrent_indices {recurrent_indices.tolist()} "
-                "must be >= 0"
-            )
+        if np.any(seq_lens < 0):
+            raise ValueError(f"seq_lens {seq_lens.tolist()} must be >= 0")
+        check_request_slots(recurrent_indices, num_slots, padding_rows=True)
         cu_q_lens = np.concatenate([[0], np.cumsum(seq_lens)])
         return self.metadata_cls(
             cu_q_lens=jnp.asarray(cu_q_lens, jnp.int32),
@@ -141,8 +152,9 @@ class LinearRecurrentAttnBackend(abc.ABC):
         """
         _check_supported(forward_batch.forward_mode)
         metadata = self._metadata()
-        _, conv_cache = recurrent_state_pool.get_linear_recurrent_layer_cache(layer.layer_id)
-        conv_state = conv_cache[metadata.recurrent_indices]  # [N, W-1, 3, P]: q | k | v
+        _, conv_state = recurrent_state_pool.get_slot_states(  # [N, W-1, 3, P]: q | k | v
+            layer.layer_id, metadata.recurrent_indices, padding_rows=True
+        )
         num_seqs, history = conv_state.shape[:2]
         return short_conv_with_state(
             mixed_qkv, conv_weight, conv_state.reshape(num_seqs, history, -1), metadata.cu_q_lens
@@ -169,24 +181,25 @@ class LinearRecurrentAttnBackend(abc.ABC):
         slots = metadata.recurrent_indices
         new_conv_state = new_conv_state.reshape(*new_conv_state.shape[:2], 3, -1)  # the pool's q | k | v
         if mode == ForwardMode.EXTEND:
-            recurrent_cache, _ = recurrent_state_pool.get_linear_recurrent_layer_cache(layer.layer_id)
+            initial_state, _ = recurrent_state_pool.get_slot_states(layer.layer_id, slots, padding_rows=True)
             o, new_recurrent = self._dispatch_chunk(
                 q[None],
                 k[None],
                 v[None],
                 g[None],
                 beta[None],
-                initial_state=recurrent_cache[slots],
+                initial_state=initial_state,
                 cu_seqlens=metadata.cu_q_lens,
                 scale=layer.scaling,
             )
             pool = recurrent_state_pool.set_linear_recurrent_layer_cache(
-                layer.layer_id, slots, new_recurrent, new_conv_state
+                layer.layer_id, slots, new_recurrent, new_conv_state, padding_rows=True
             )
             return o[0], pool
         if q.shape[0] != slots.shape[0]:
             raise ValueError(f"DECODE has one token per request: got T={q.shape[0]} for N={slots.shape[0]}")
-        # The kernel steps the batch's slots of this layer inside the whole (donated) pool buffer.
+        # The kernel steps the batch's slots of this layer inside the whole (donated) pool buffer; it
+        # routes unsafe slot indices to the dummy slot itself, as the pool's `safe_rows` does.
         o, recurrent_buffer = self._dispatch_recurrent(
             q,
             k,
@@ -199,7 +212,7 @@ class LinearRecurrentAttnBackend(abc.ABC):
             scale=layer.scaling,
         )
         pool = recurrent_state_pool.replace(recurrent_buffer=recurrent_buffer)
-        return o, pool.set_conv_states(layer.layer_id, slots, new_conv_state)
+        return o, pool.set_conv_states(layer.layer_id, slots, new_conv_state, padding_rows=True)
 
     def _metadata(self) -> LinearRecurrentAttnBackendMetadata:
         if self.forward_metadata is None:
@@ -231,7 +244,7 @@ class LinearRecurrentAttnBackend(abc.ABC):
         beta: jax.Array,  # [B, H]
         *,
         state_buffer: jax.Array,  # [L, S, H, K, V] fp32, the whole pool's recurrent buffer
-        slot_indices: jax.Array,  # i32[B] slots of state_buffer
+        slot_indices: jax.Array,  # i32[B] slots of state_buffer (0: padding; unsafe ones act as 0)
         layer_index: int,  # the layer's row of state_buffer
         scale: float,
     ) -> tuple[jax.Array, jax.Array]:

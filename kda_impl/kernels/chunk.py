@@ -1,4 +1,8 @@
-"""`chunk_kda` in plain JAX: the chunked (WY) form of the KDA recurrence.
+"""`chunk_kda` in plain JAX: the chunked (WY) form of the KDA recurrence, exact in fp32.
+
+Not a naive kernel: it computes the token recurrence of `naive_recurrent.py` (the math-first reference
+the tests hold it to) C tokens at a time, with the in-chunk decay scores built by recursive halving and
+`(I + A)^-1` by a recursive block inverse, all in batched matmuls.
 
 Per chunk of C tokens (per head), with G the in-chunk inclusive cumsum of the log decay g and
 Γ = exp(G) (all factors below are <= 1, see "Strong decay"):
@@ -10,10 +14,8 @@ Per chunk of C tokens (per head), with G the in-chunk inclusive cumsum of the lo
     o  = scale * (q * Γ) @ S0 + Aqk @ w
     S1 = diag(Γ_C) S0 + (k * exp(G_C - G))^T @ w
 
-S0 enters linearly, so everything but a `[K, K] x [K, V]` product per chunk is precomputed for all
-chunks at once, and the `lax.scan` over chunks only carries S:
-`S1 = M S0 + B` with `M = diag(Γ_C) - (k exp(G_C - G))^T Wk`, `B = (k exp(G_C - G))^T U`, and
-`o = (scale q Γ - Aqk Wk) @ S0 + Aqk @ U`.
+Everything state-independent (scores, inverse, U, Wk, decays) is computed for all chunks at once
+(`intra_chunk`); the `lax.scan` over chunks carries only S and does the two products that need it.
 
 Strong decay: the factorised form `(q exp(G)) @ (k exp(-G))^T` overflows fp32 once -G passes ~88
 (g reaches -60 per token), and `exp(G_i - G_j)` from two long prefix sums loses ~eps*|G| to
@@ -25,6 +27,8 @@ decays exp(g) <= 1 (`decay_scores`).
 Packed batches: every sequence is cut into its own chunks (the last one padded with zeros), so no
 chunk holds two sequences, and the padded tail has k = v = beta = g = 0, which leaves the state exactly
 unchanged. Shapes depend only on (T, N), never on the lengths: one compilation per (T, N).
+
+Full resets: g = -inf is floored (`common.finite_log_decay`) to the same exact exp 0, never 0 * -inf.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda_impl.kernels.common import HIGHEST, initial_or_zeros, prepare_inputs, sequence_ids
+from kda_impl.kernels.common import HIGHEST, finite_log_decay, initial_or_zeros, prepare_inputs, sequence_ids
 from kda_impl.kernels.validation import static_validate_inputs
 
 
@@ -110,7 +114,7 @@ def _chunk_kda(
     out_dtype = q.dtype
     q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     init = initial_or_zeros(initial_state, (cu_seqlens.shape[0] - 1, heads, k.shape[-1], v.shape[-1]))
-    flat = [x.reshape(batch * tokens, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    flat = [x.reshape(batch * tokens, *x.shape[2:]) for x in (q, k, v, finite_log_decay(g), beta)]
     o, final = _chunk_packed(*flat, init, cu_seqlens, scale, chunk_size)
     return o.reshape(batch, tokens, heads, v.shape[-1]).astype(out_dtype), final
 
@@ -282,7 +286,8 @@ def decay_scores(
     every (i, j) with i in the lower half and j in the upper half is factorised around m:
     `exp(g_{m+1} + .. + g_i) * exp(g_{j+1} + .. + g_m)`, both exponents one-segment sums <= 0, so
     nothing overflows and nothing cancels. Each (i > j) falls in exactly one such quadrant; the
-    diagonal is q_i . k_i. Work is O(C K log C) in small matmuls. Returns two [NC, H, C, C].
+    diagonal is q_i . k_i. Level h fills C/(2h) h x h quadrants per matrix: C*h*K multiply-adds for the
+    two, about C^2 K over the log2(C) levels (as a direct masked product). Returns two [NC, H, C, C].
     """
     size, dim = k.shape[2:]
     # blocks: [2, NC, H, groups, h, h] the qk and kk lower-triangular diagonal blocks, from h = 1.

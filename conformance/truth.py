@@ -1,0 +1,77 @@
+"""The float64 truth a check's two sides are judged against.
+
+docs/tolerance-policy.md, "Judged against the float64 truth", says how.
+
+Layer results (the output, the final recurrent state, the intermediates) have their truth stored in
+the dump by an independent float64 implementation of the layer: `<name>_fp64` for the fp32 run,
+`<name>_bf16_fp64` for the bf16 run (`dump_format.truth_key`). The kernels' truth is not stored:
+it is a pure function of the dumped kernel inputs, computed here by a float64 recurrence
+(kda-layer.md step 6) on exactly the l2-normalised q, k, and the v, g, beta the kernel under test
+gets.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from conformance.reader import CaseData
+from kda_spec import dump_format as fmt
+
+KERNEL_INPUTS = ("q_after_conv", "k_after_conv", "v_after_conv", "g", "beta")
+
+
+class NoTruth(Exception):
+    """A check whose truth the dump does not carry; the message says which key is missing."""
+
+
+def stored_truth(case: CaseData, name: str, dtype: str) -> np.ndarray:
+    """The float64 truth of result `name` in the `dtype` run; `NoTruth` when the dump has none."""
+    key = fmt.truth_key(name, dtype)
+    value = case.arrays.get(key)
+    if value is None:
+        raise NoTruth(f"no truth in the dump ({key!r})")
+    return value
+
+
+def recurrence_fp64(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    g: np.ndarray,
+    beta: np.ndarray,
+    cu_seqlens: np.ndarray,
+    initial_state: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The KDA recurrence in float64 on a packed batch, token by token, with no rounding on the way.
+
+    q, k (already l2-normalised), v, g: [T, H, D]; beta: [T, H]; initial_state: [N, H, D, D] or None.
+    Per token: `S = S·exp(g_t)` (over the key axis), `S += beta_t · k_t ⊗ (v_t − k_t·S)`,
+    `o_t = (q_t / √D)·S`. Returns o [T, H, D] and the final states [N, H, D, D], float64.
+    """
+    q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
+    num_seqs, heads, dim = len(cu_seqlens) - 1, q.shape[1], q.shape[2]
+    q = q * dim**-0.5
+    o = np.zeros(q.shape, np.float64)
+    states = np.zeros((num_seqs, heads, dim, dim), np.float64)
+    for n in range(num_seqs):
+        s = np.zeros((heads, dim, dim)) if initial_state is None else np.array(initial_state[n], np.float64)
+        for t in range(int(cu_seqlens[n]), int(cu_seqlens[n + 1])):
+            s *= np.exp(g[t])[:, :, None]
+            residual = v[t] - np.einsum("hk,hkv->hv", k[t], s)
+            s += beta[t][:, None, None] * k[t][:, :, None] * residual[:, None, :]
+            o[t] = np.einsum("hk,hkv->hv", q[t], s)
+        states[n] = s
+    return o, states
+
+
+def layer_kernel_truth(case: CaseData, dtype: str) -> np.ndarray:
+    """The truth of the kernel output inside the layer (`o_kda`): the float64 recurrence on the
+    stored truths of q, k (l2-normalised in float64), v, g and beta; `NoTruth` when one is missing."""
+    q, k, v, g, beta = (stored_truth(case, name, dtype) for name in KERNEL_INPUTS)
+    o, _ = recurrence_fp64(_l2norm_fp64(q), _l2norm_fp64(k), v, g, beta, case.cu_seqlens, case.initial_state)
+    return o
+
+
+def _l2norm_fp64(x: np.ndarray) -> np.ndarray:
+    """Per-head L2 normalisation (kda-layer.md step 5) in float64."""
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)

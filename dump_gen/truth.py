@@ -1,0 +1,162 @@
+"""The float64 truth ("oracle") of a dump: the KDA layer computed again, independently, in float64.
+
+numpy only, straight from the layer's math (docs/kda-layer.md, "Forward"): projections, the causal
+depthwise short conv per sequence (zero conv state at each sequence start) and silu, the gate
+`g = -exp(A_log) * softplus(f)` (softplus `z` for `z > 20`, else `log1p(exp(z))`), `beta = sigmoid`,
+the L2 norm of q and k with 1e-6, the delta rule token by token from each sequence's initial state,
+the gated RMSNorm with the config's eps, and `o_proj`. Every function computes in the dtype it is
+given (`layer_truth(..., dtype=...)`): float64 for the dumps; the tests run the same code in float32
+and in np.longdouble to show that the float64 results are float64-accurate.
+
+Why not the reference layer itself in float64: it cannot compute in float64. transformers 5.24.0,
+`transformers/models/kimi_linear/modeling_kimi_linear.py`, casts to float32 inside, whatever the
+module's dtype, and casts the result back, so a `layer.double()` run returns float64 tensors holding
+float32 values:
+- `KimiLinearRMSNormGated.forward` (the output norm): lines 87, 90, 93 `.to(torch.float32)` of the
+  input, the weight and the gate; line 95 `.to(input_dtype)` back;
+- `KimiLinearForgetGate.forward` (the gate): line 336 `forget_gate.float()`, `dt_bias.float()`,
+  line 337 `A_log.float()`;
+- `recurrent_kimi_delta_attention`: line 427 q, k, v, g, beta `.to(torch.float32)`;
+  `chunk_kimi_delta_attention`: line 484 the same, line 519 the decay mask `.float()`;
+- `KimiLinearDeltaAttention.forward`: line 709 the cached recurrent state `.to(torch.float32)`.
+fla-core 0.6.0's torch references, `fla/ops/kda/naive.py`, do the same: `naive_recurrent_kda` line 51
+and `naive_chunk_kda` lines 115-116 `.to(torch.float)`, and float32 buffers at lines 126, 136, 154.
+Measured on the mini preset (T65, varlen_initstate): transformers' layer moved to float64
+(`layer.double()`, float64 inputs) returns `out` and `o_norm` in float64 yet 1.2e-6 to 1.8e-6 (max abs
+error over max abs value) from this module, as far as its float32 run (1.5e-6), and its gate `g` in
+float32; this module agrees with an np.longdouble run of itself to 1e-15 (tests/dump_gen/test_truth.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+
+import numpy as np
+
+from kda_spec.config import KDAConfig
+
+IMPLEMENTATION = (
+    "dump_gen.truth: the layer's math re-implemented in numpy float64 (projections, causal short conv, "
+    "gate, beta, l2norm, token-by-token delta rule, gated RMSNorm, o_proj), independent of the reference"
+)
+# A dump stores the truth of the intermediates (16 bytes per element for the two runs, more than the
+# reference's own 6) for cases of at most this many tokens, the RFC's twelve, not a long context;
+# that of the output and the states for every case.
+INTERMEDIATES_MAX_TOKENS = 1024
+L2NORM_EPS = 1e-6
+SOFTPLUS_THRESHOLD = 20.0
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """`1 / (1 + exp(-x))`, without overflow for large negative x."""
+    return np.exp(-np.logaddexp(0, -x))
+
+
+def softplus(z: np.ndarray) -> np.ndarray:
+    """`z` for `z > 20`, else `log1p(exp(z))` (the reference's threshold)."""
+    return np.where(z > SOFTPLUS_THRESHOLD, z, np.log1p(np.exp(np.minimum(z, SOFTPLUS_THRESHOLD))))
+
+
+def short_conv(u: np.ndarray, weight: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """silu of the causal depthwise conv of `u` [T, C] with `weight` [C, 1, W], each sequence from a zero
+    conv state: `y[t] = sum_j weight[:, 0, j] * u[t - (W-1) + j]`."""
+    width = weight.shape[-1]
+    taps = weight[:, 0, :]
+    y = np.empty_like(u)
+    for start, end in spans:
+        padded = np.concatenate([np.zeros((width - 1, u.shape[1]), u.dtype), u[start:end]])
+        y[start:end] = sum(taps[:, j] * padded[j : j + end - start] for j in range(width))
+    return y * sigmoid(y)
+
+
+def l2_normalised(x: np.ndarray) -> np.ndarray:
+    """`x / sqrt(sum(x * x) + 1e-6)` over the last axis."""
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def delta_rule(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """One sequence, token by token, all heads at once: q, k (L2-normalised), v, g [T, H, D], beta [T, H],
+    initial `state` [H, D_k, D_v]. Returns o [T, H, D] and the final state.
+
+    `S = S * exp(g_t)[:, None]; S = S + beta_t * outer(k_t, v_t - k_t @ S); o_t = (D ** -0.5 * q_t) @ S`.
+    """
+    scale = 1 / np.sqrt(np.asarray(q.shape[-1], dtype=q.dtype))
+    decay = np.exp(g)[..., None]
+    state = state.copy()
+    o = np.empty_like(v)
+    for t in range(q.shape[0]):
+        state *= decay[t]
+        delta = beta[t][:, None] * (v[t] - (k[t][:, None, :] @ state)[:, 0])
+        state += k[t][:, :, None] * delta[:, None, :]
+        o[t] = (scale * q[t][:, None, :] @ state)[:, 0]
+    return o, state
+
+
+def gated_rms_norm(o: np.ndarray, gate: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """`o * rsqrt(mean(o * o) + eps) * weight * sigmoid(gate)` over each head's last axis."""
+    return o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + eps) * weight * sigmoid(gate)
+
+
+def layer_truth(
+    weights: Mapping[str, np.ndarray],
+    hidden_states: np.ndarray,
+    cu_seqlens: np.ndarray,
+    initial_state: np.ndarray | None,
+    config: KDAConfig,
+    dtype: type[np.floating] = np.float64,
+) -> dict[str, np.ndarray]:
+    """The layer on one packed batch, every step in `dtype`: `out` [T, hidden], `recurrent_state`
+    [N, H, D, D] and the dump's intermediates (`q_after_conv` ... `o_norm`), by their dump names.
+
+    `weights` by HF name (kda_spec.weight_names), `hidden_states` [T, hidden], `cu_seqlens` [N+1],
+    `initial_state` [N, H, D, D] or None (zeros); whatever their dtype, they are converted exactly.
+    """
+    w = {name: np.asarray(array, dtype) for name, array in weights.items()}
+    x = np.asarray(hidden_states, dtype)
+    tokens, heads, dim = x.shape[0], config.num_heads, config.head_dim
+    spans = list(itertools.pairwise(np.asarray(cu_seqlens).tolist()))
+
+    def per_head(a: np.ndarray) -> np.ndarray:
+        return a.reshape(tokens, heads, dim)
+
+    q, k, v = (
+        per_head(short_conv(x @ w[f"{n}_proj.weight"].T, w[f"{n}_conv1d.weight"], spans)) for n in "qkv"
+    )
+    f = per_head((x @ w["f_a_proj.weight"].T) @ w["f_b_proj.weight"].T + w["dt_bias"])
+    g = -np.exp(w["A_log"].reshape(heads, 1)) * softplus(f)
+    beta = sigmoid(x @ w["b_proj.weight"].T)
+    g_out = per_head((x @ w["g_a_proj.weight"].T) @ w["g_b_proj.weight"].T)
+
+    o = np.empty_like(v)
+    states = []
+    for index, (start, end) in enumerate(spans):
+        state = (
+            np.zeros((heads, dim, dim), dtype)
+            if initial_state is None
+            else np.asarray(initial_state[index], dtype)
+        )
+        o[start:end], final = delta_rule(
+            l2_normalised(q[start:end]),
+            l2_normalised(k[start:end]),
+            v[start:end],
+            g[start:end],
+            beta[start:end],
+            state,
+        )
+        states.append(final)
+    o_norm = gated_rms_norm(o, g_out, w["o_norm.weight"], config.rms_norm_eps)
+    out = o_norm.reshape(tokens, heads * dim) @ w["o_proj.weight"].T
+    return {
+        "out": out,
+        "recurrent_state": np.stack(states),
+        "q_after_conv": q,
+        "k_after_conv": k,
+        "v_after_conv": v,
+        "g": g,
+        "beta": beta,
+        "g_out": g_out,
+        "o_norm": o_norm,
+    }

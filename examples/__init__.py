@@ -1,0 +1,1 @@
+"""Worked examples of adapters for third-party KDA implementations (not installed with the package)."""

@@ -1,0 +1,1 @@
+"""A conformance adapter for sglang-jax's KDA (see README.md)."""

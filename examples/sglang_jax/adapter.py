@@ -1,0 +1,417 @@
+"""sglang-jax's KDA under the conformance suite: `--impl examples.sglang_jax.adapter:SglangJaxAdapter`.
+
+Imports sgl_jax from a checkout (`--impl-option sglang_jax=/path/to/sglang-jax`, else `$SGLANG_JAX`)
+and drives its own code wherever it imports:
+
+- the layer: sglang-jax's `KimiDeltaAttention` module (its `LinearBase` projections, conv weight
+  containers, `A_log`, `dt_bias`, `GatedRMSNorm`) loaded from the dump's weights (examples/sglang_jax/
+  layout.py), run by `forward` below, which composes the module's parts in the order of its
+  `__call__` so that it can also return `beta`, `g_out` and `o_norm`;
+- the attention: `RadixLinearAttention` → `HybridLinearAttnBackend` → `KDAAttnBackend` (short conv,
+  l2 norm, Pallas `chunk_kda_fwd` for prefill with the gate in the kernel, `naive_recurrent_kda` for
+  decode), with states in a `RecurrentStatePool` and the backend's own `get_forward_metadata`;
+- the kernel checks: `chunk_kda_fwd` (Pallas; interpreted on a CPU) and `naive_recurrent_kda`.
+
+Options (strings): `sglang_jax` the checkout; `interpret` `1|0` Pallas interpret mode (default: on
+unless a TPU is present). sgl_jax's package `__init__`s import server-only modules (zmq, fastapi,
+orjson, partial_json_parser) that the layer never calls; where they are not installed, placeholders
+stand in (`stub_server_modules`), and using one raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import itertools
+import os
+import sys
+import types
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from conformance.adapter import KDAAdapter, LayerResult
+from examples.sglang_jax.layout import check_state, conv_state_to_dump, seq_lens_of, sglang_jax_params
+from kda_spec.config import KDAConfig
+
+CHECKOUT_OPTION, CHECKOUT_ENV = "sglang_jax", "SGLANG_JAX"
+SERVER_ONLY_MODULES = (
+    "zmq",
+    "fastapi",
+    "fastapi.responses",
+    "orjson",
+    "partial_json_parser",
+    "partial_json_parser.core",
+    "partial_json_parser.core.exceptions",
+    "partial_json_parser.core.options",
+)
+RUN_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+DUMMY_SLOT = 0  # the pool's per-rank dummy slot; sequences use slots 1..N
+
+
+class _Placeholder(types.ModuleType):
+    """A server-only module sgl_jax imports at package level but the KDA layer never uses."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def unavailable(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(f"{self.__name__}.{name} is a placeholder: install {self.__name__} to use it")
+
+        return type(name, (), {"__init__": unavailable})
+
+
+def stub_server_modules() -> list[str]:
+    """Placeholders for the server-only modules that are not installed; returns their names."""
+    stubbed = []
+    for name in SERVER_ONLY_MODULES:
+        top = name.split(".")[0]
+        if name in sys.modules:
+            continue
+        if not isinstance(sys.modules.get(top), _Placeholder) and importlib.util.find_spec(top) is not None:
+            continue  # installed: the real module is used
+        module = _Placeholder(name)
+        module.__path__ = []
+        sys.modules[name] = module
+        stubbed.append(name)
+    return stubbed
+
+
+def import_sgl_jax(checkout: str) -> Path:
+    """Make `sgl_jax` importable from a sglang-jax checkout (its `python/` folder); returns that folder."""
+    root = Path(checkout).expanduser()
+    source = root / "python" if (root / "python" / "sgl_jax").is_dir() else root
+    if not (source / "sgl_jax" / "srt" / "kernels" / "kda").is_dir():
+        raise ValueError(
+            f"{CHECKOUT_OPTION}={checkout!r}: no sgl_jax/srt/kernels/kda under {root} or {root}/python"
+        )
+    if str(source) not in sys.path:
+        sys.path.insert(0, str(source))
+    return source
+
+
+@dataclasses.dataclass(frozen=True)
+class SglangCarry:
+    """The states of N sequences after a call, in sglang-jax's layouts."""
+
+    recurrent: np.ndarray  # [N, H, K, V] float32
+    conv: np.ndarray  # [N, 3P, W-1] float32 (values of the run dtype)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.recurrent.shape[0]
+
+
+class SglangJaxAdapter(KDAAdapter):
+    """sglang-jax's KDA layer and kernels; `kernel` is ignored (its prefill is the Pallas chunk kernel,
+    its decode the naive recurrence)."""
+
+    name = "sglang-jax"
+    OPTIONS: ClassVar[Mapping[str, str]] = {
+        CHECKOUT_OPTION: f"path of a sglang-jax checkout (default: ${CHECKOUT_ENV})",
+        "interpret": "1 or 0: run the Pallas kernels in interpret mode (default: 1 unless on a TPU)",
+    }
+
+    def __init__(
+        self,
+        config: KDAConfig,
+        weights: dict[str, np.ndarray],
+        dtype: str,
+        kernel: str = "auto",
+        *,
+        options: Mapping[str, str] | None = None,
+    ):
+        super().__init__(config, weights, dtype, kernel, options=options)
+        if dtype not in RUN_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(RUN_DTYPES)}, got {dtype!r}")
+        checkout, interpret = self.options[CHECKOUT_OPTION], self.options["interpret"]
+        os.environ["PALLAS_INTERPRET"] = interpret  # read by sgl_jax's kernels at trace time
+        self._source = import_sgl_jax(checkout)
+        self._stubbed = stub_server_modules()
+        self._sgl = _SglJax.load()
+        self._run_dtype = RUN_DTYPES[dtype]
+        self._mesh = jax.make_mesh((1, 1), ("data", "tensor"))
+        self._layer_idx = min((i - 1 for i in config.kda_layers), default=0)
+        self._module = self._build_module(sglang_jax_params(config, weights))
+        self._kda_backend = self._sgl.KDAAttnBackend(mesh=self._mesh)
+        self._backend = self._sgl.HybridLinearAttnBackend(
+            full_attn_backend=None, linear_attn_backend=self._kda_backend, full_attn_layers=()
+        )
+        self._forward = {mode: self._jit_forward(mode) for mode in ("extend", "decode")}
+        self._chunk = jax.jit(self._chunk_call)
+
+    @classmethod
+    def parse_options(cls, options: Mapping[str, str]) -> dict[str, Any]:
+        values = super().parse_options(options)
+        checkout = values.get(CHECKOUT_OPTION) or os.environ.get(CHECKOUT_ENV)
+        if not checkout:
+            raise ValueError(
+                f"give the sglang-jax checkout: --impl-option {CHECKOUT_OPTION}=PATH or ${CHECKOUT_ENV}"
+            )
+        interpret = values.get("interpret", "0" if jax.default_backend() == "tpu" else "1")
+        if interpret not in ("0", "1"):
+            raise ValueError(f"--impl-option interpret={interpret!r}: expected 1 or 0")
+        return {CHECKOUT_OPTION: checkout, "interpret": interpret}
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "jax": jax.__version__,
+            "device": str(jax.devices()[0]),
+            "sgl_jax": str(self._source),
+            "pallas_interpret": os.environ["PALLAS_INTERPRET"],
+            "placeholders": self._stubbed,
+        }
+
+    # --- the module -----------------------------------------------------------------------------------
+
+    def _build_module(self, params: dict[str, np.ndarray]) -> Any:
+        c = self.config
+        hf_config = types.SimpleNamespace(
+            hidden_size=c.hidden_size,
+            rms_norm_eps=c.rms_norm_eps,
+            linear_attn_config={
+                "short_conv_kernel_size": c.conv_size,
+                "head_dim": c.head_dim,
+                "num_heads": c.num_heads,
+            },
+        )
+        with jax.set_mesh(self._mesh):
+            module = self._sgl.KimiDeltaAttention(hf_config, self._layer_idx, self._mesh, self._run_dtype)
+        for path, value in params.items():
+            param = _attribute(module, path)
+            current = param.value  # keep the dtype, shape and sharding sglang-jax gave it
+            param.value = jax.device_put(
+                np.asarray(value).reshape(current.shape).astype(current.dtype), current.sharding
+            )
+        return module
+
+    def _jit_forward(self, mode: str) -> Any:
+        """One jitted forward per mode; nnx.jit carries the module and the backend (its metadata set by
+        the caller) in as state, so new metadata does not recompile."""
+        forward_mode = self._sgl.ForwardMode.EXTEND if mode == "extend" else self._sgl.ForwardMode.DECODE
+
+        @nnx.jit
+        def forward(module: Any, backend: Any, x: jax.Array, pool: Any) -> tuple[jax.Array, Any, dict]:
+            batch = types.SimpleNamespace(attn_backend=backend, forward_mode=forward_mode)
+            return forward_layer(module, x, batch, pool)
+
+        return forward
+
+    # --- layer ----------------------------------------------------------------------------------------
+
+    def layer_extend(
+        self,
+        hidden_states: np.ndarray,
+        cu_seqlens: np.ndarray,
+        initial_state: np.ndarray | None = None,
+        carry: SglangCarry | None = None,
+    ) -> LayerResult:
+        seq_lens = seq_lens_of(cu_seqlens, hidden_states.shape[0])
+        if initial_state is not None and carry is not None:
+            raise ValueError("pass initial_state (fresh sequences) or carry (continued ones), not both")
+        if carry is None:
+            state = (
+                np.zeros(
+                    (seq_lens.size, self.config.num_heads, self.config.head_dim, self.config.head_dim),
+                    np.float32,
+                )
+                if initial_state is None
+                else check_state(initial_state, self.config, seq_lens.size)
+            )
+            conv = np.zeros((seq_lens.size, 3 * self.config.proj_dim, self.config.conv_size - 1), np.float32)
+            carry = SglangCarry(state, conv)
+        self._check_carry(carry, seq_lens.size)
+        return self._run("extend", hidden_states, seq_lens, carry)
+
+    def layer_decode(self, hidden_states: np.ndarray, carry: SglangCarry) -> LayerResult:
+        if carry is None:
+            raise ValueError("layer_decode continues the sequences of a carry; got carry=None")
+        self._check_carry(carry, hidden_states.shape[0])
+        return self._run("decode", hidden_states, np.ones(carry.num_seqs, np.int32), carry)
+
+    @staticmethod
+    def _check_carry(carry: SglangCarry, num_seqs: int) -> None:
+        if not isinstance(carry, SglangCarry):
+            raise TypeError(f"carry must come from this adapter (a SglangCarry), got {type(carry).__name__}")
+        if carry.num_seqs != num_seqs:
+            raise ValueError(f"the carry holds {carry.num_seqs} sequences, the call has {num_seqs}")
+
+    def _run(
+        self, mode: str, hidden_states: np.ndarray, seq_lens: np.ndarray, carry: SglangCarry
+    ) -> LayerResult:
+        num_seqs = seq_lens.size
+        slots = np.arange(1, num_seqs + 1, dtype=np.int32)
+        pool = self._sgl.RecurrentStatePool(
+            [self._layer_idx],
+            num_seqs,
+            self.config.num_heads,
+            self.config.head_dim,
+            self.config.conv_size,
+            self._mesh,
+            temporal_dtype=jnp.float32,
+            conv_dtype=self._run_dtype,
+        )
+        recurrent_buffer, (conv_buffer,) = pool.get_linear_recurrent_layer_cache(self._layer_idx)
+        recurrent, conv = np.array(_to_numpy(recurrent_buffer)), np.array(_to_numpy(conv_buffer))
+        recurrent[slots], conv[slots] = carry.recurrent, carry.conv
+        pool.replace_buffer(
+            (
+                [jax.device_put(recurrent, pool.recurrent_sharding)],
+                [[jax.device_put(conv.astype(pool.conv_dtype), pool.conv_sharding)]],
+            )
+        )
+        worker_batch = types.SimpleNamespace(
+            forward_mode=self._sgl.ForwardMode.EXTEND if mode == "extend" else self._sgl.ForwardMode.DECODE,
+            extend_seq_lens=seq_lens,
+            dp_size=1,
+            per_dp_bs_size=num_seqs,
+            recurrent_indices=slots,
+            has_initial_state=np.ones(num_seqs, bool),
+            recurrent_track_indices=None,
+            recurrent_track_mask=None,
+        )
+        self._kda_backend.forward_metadata = self._kda_backend.get_forward_metadata(worker_batch)
+        x = jnp.asarray(hidden_states, jnp.float32).astype(self._run_dtype)
+        with jax.set_mesh(self._mesh):
+            out, (new_recurrent, (new_conv,)), intermediates = self._forward[mode](
+                self._module, self._backend, x, pool
+            )
+        new_carry = SglangCarry(recurrent=_to_numpy(new_recurrent)[slots], conv=_to_numpy(new_conv)[slots])
+        named = {name: _to_numpy(value) for name, value in intermediates.items()}
+        named["final_conv_state"] = conv_state_to_dump(new_carry.conv)
+        return LayerResult(
+            out=_to_numpy(out), final_state=new_carry.recurrent, carry=new_carry, intermediates=named
+        )
+
+    # --- kernels --------------------------------------------------------------------------------------
+
+    def chunk_kernel(self, q, k, v, g, beta, cu_seqlens, initial_state):
+        """`chunk_kda_fwd` on the packed batch: q, k fp32 as the harness gives them, v in the run dtype,
+        g (log decay per token, natural log) and beta fp32; o rounded to the run dtype."""
+        seq_lens = seq_lens_of(cu_seqlens, q.shape[0])
+        state = self._state_or_zeros(initial_state, seq_lens.size)
+        o, final = self._chunk(
+            *(jnp.asarray(x, jnp.float32)[None] for x in (q, k)),
+            jnp.asarray(v, jnp.float32).astype(self._run_dtype)[None],
+            *(jnp.asarray(x, jnp.float32)[None] for x in (g, beta)),
+            jnp.asarray(state),
+            jnp.asarray(cu_seqlens, jnp.int32),
+        )
+        return _to_numpy(o[0].astype(self._run_dtype)), _to_numpy(final)
+
+    def _chunk_call(self, q, k, v, g, beta, initial_state, cu_seqlens):
+        o, final, *_ = self._sgl.chunk_kda(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=self.config.head_dim**-0.5,
+            initial_state=initial_state,
+            output_final_state=True,
+            cu_seqlens=cu_seqlens,
+        )
+        return o, final
+
+    def recurrent_kernel(self, q, k, v, g, beta, cu_seqlens, initial_state):
+        """`naive_recurrent_kda` (one sequence at a time: it takes no cu_seqlens), same dtypes as above."""
+        cu = np.asarray(cu_seqlens)
+        seq_lens = seq_lens_of(cu, q.shape[0])
+        state = self._state_or_zeros(initial_state, seq_lens.size)
+        outputs, finals = [], []
+        for i, (lo, hi) in enumerate(itertools.pairwise(cu)):
+            o, final = self._sgl.naive_recurrent_kda(
+                *(jnp.asarray(x[lo:hi], jnp.float32)[None] for x in (q, k)),
+                jnp.asarray(v[lo:hi], jnp.float32).astype(self._run_dtype)[None],
+                *(jnp.asarray(x[lo:hi], jnp.float32)[None] for x in (g, beta)),
+                scale=self.config.head_dim**-0.5,
+                initial_state=jnp.asarray(state[i : i + 1]),
+                output_final_state=True,
+            )
+            outputs.append(_to_numpy(o[0].astype(self._run_dtype)))
+            finals.append(_to_numpy(final[0]))
+        return np.concatenate(outputs), np.stack(finals)
+
+    def _state_or_zeros(self, initial_state: np.ndarray | None, num_seqs: int) -> np.ndarray:
+        if initial_state is None:
+            d = self.config.head_dim
+            return np.zeros((num_seqs, self.config.num_heads, d, d), np.float32)
+        return check_state(initial_state, self.config, num_seqs)
+
+
+def forward_layer(
+    module: Any, x: jax.Array, batch: Any, pool: Any
+) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+    """sglang-jax's `KimiDeltaAttention.__call__`, step for step, also returning beta, g_out, o_norm."""
+    tokens, heads, dim = x.shape[0], module.num_heads, module.head_dim
+    q, _ = module.q_proj(x)
+    k, _ = module.k_proj(x)
+    v, _ = module.v_proj(x)
+    raw_gate, _ = module.f_b_proj(module.f_a_proj(x)[0])
+    raw_gate = raw_gate.reshape(tokens, heads, dim)
+    beta = jax.nn.sigmoid(module.b_proj(x)[0].astype(jnp.float32))
+    o, states = module.attn(batch, q, k, v, raw_gate, beta, pool)
+    o = o.reshape(tokens, heads, dim)
+    output_gate, _ = module.g_b_proj(module.g_a_proj(x)[0])
+    output_gate = output_gate.reshape(tokens, heads, dim)
+    o_norm = module.o_norm(o, output_gate)
+    out, _ = module.o_proj(o_norm.reshape(tokens, heads * dim))
+    return out, states, {"beta": beta, "g_out": output_gate, "o_norm": o_norm}
+
+
+@dataclasses.dataclass(frozen=True)
+class _SglJax:
+    """The sgl_jax names the adapter uses, imported once a checkout is on the path."""
+
+    KimiDeltaAttention: Any
+    KDAAttnBackend: Any
+    HybridLinearAttnBackend: Any
+    RecurrentStatePool: Any
+    ForwardMode: Any
+    chunk_kda: Any
+    naive_recurrent_kda: Any
+
+    @classmethod
+    def load(cls) -> _SglJax:
+        try:
+            kda = importlib.import_module("sgl_jax.srt.kernels.kda")
+            return cls(
+                KimiDeltaAttention=importlib.import_module(
+                    "sgl_jax.srt.models.kimi_linear"
+                ).KimiDeltaAttention,
+                KDAAttnBackend=importlib.import_module(
+                    "sgl_jax.srt.layers.attention.linear.kda_backend"
+                ).KDAAttnBackend,
+                HybridLinearAttnBackend=importlib.import_module(
+                    "sgl_jax.srt.layers.attention.hybrid_linear_attn_backend"
+                ).HybridLinearAttnBackend,
+                RecurrentStatePool=importlib.import_module(
+                    "sgl_jax.srt.mem_cache.recurrent_state_pool"
+                ).RecurrentStatePool,
+                ForwardMode=importlib.import_module(
+                    "sgl_jax.srt.model_executor.forward_batch_info"
+                ).ForwardMode,
+                chunk_kda=kda.chunk_kda,
+                naive_recurrent_kda=kda.naive_recurrent_kda,
+            )
+        except ImportError as err:
+            raise ValueError(f"cannot import sgl_jax's KDA from the checkout: {err}") from err
+
+
+def _attribute(module: Any, path: str) -> Any:
+    """`module.a.b` for path `a.b`; sglang-jax keeps the conv weights on its `attn` too (same objects)."""
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _to_numpy(x: jax.Array) -> np.ndarray:
+    """float32 numpy (bf16 values upcast exactly)."""
+    return np.asarray(jnp.asarray(x, jnp.float32))

@@ -1,0 +1,218 @@
+"""The gate says no where it must: missing checks, other dump sets, bad factors and limits, tampered
+or malformed reports. Reports here are built from real comparisons, without running the suite."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conformance.checks import CheckSpec
+from conformance.cli import main
+from conformance.metrics import compare
+from conformance.report import REPORT_FORMAT, REPORT_VERSION, Record, write_json
+from conformance.tolerances import DEFAULT_POLICY_FILE, Tolerance, TolerancePolicy
+
+DIGEST = "a" * 64
+CASES = ("T1", "T8", "T65")
+STRICT, RFC = Tolerance(atol=1e-5, rtol=1e-5), Tolerance(atol=1e-3, rtol=1e-3)
+
+
+def _check(case: str, check: str = "layer", error: float = 1e-6) -> dict[str, Any]:
+    """One check as the suite records it, from a real comparison of a result `error` off."""
+    reference = np.linspace(-1, 1, 16).reshape(8, 2)
+    comparison = compare(reference + error, reference, STRICT, RFC, ("token", "channel"))
+    status = "passed" if comparison.passed else "failed"
+    return Record(CheckSpec(case, "fp32", check), status, comparison.summary(), 0.1, comparison).as_dict(0.5)
+
+
+def _report(checks: list[dict[str, Any]], digest: str | None = DIGEST) -> dict[str, Any]:
+    dumps = {"url": "golden"} | ({"manifest_sha256": digest} if digest else {})
+    return {"format": REPORT_FORMAT, "version": REPORT_VERSION, "dumps": dumps, "checks": checks}
+
+
+def _write(path: Path, report: dict[str, Any]) -> str:
+    write_json(report, path)
+    return str(path)
+
+
+def _full() -> list[dict[str, Any]]:
+    return [_check(case, check) for case in CASES for check in ("layer", "kernel-chunk")]
+
+
+def _gate(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    code = main(["gate", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def test_an_honest_report_passes_alone_and_against_itself(tmp_path: Path, capsys) -> None:
+    report = _write(tmp_path / "r.json", _report(_full()))
+    assert _gate(capsys, report)[0] == 0
+    code, out, _ = _gate(capsys, report, "--baseline", report)
+    assert code == 0 and out.startswith("gate: ok (6 passed, 0 failed, 0 error, 0 skipped) against baseline")
+
+
+def test_a_check_missing_from_the_new_report_is_a_breach(tmp_path: Path, capsys) -> None:
+    baseline = _write(tmp_path / "old.json", _report(_full()))
+    report = _write(tmp_path / "new.json", _report(_full()[:1]))
+    code, out, _ = _gate(capsys, report, "--baseline", baseline)
+    assert code == 1
+    assert "gate: FAIL (5 breaches; 1 passed, 0 failed, 0 error, 0 skipped)" in out
+    assert "  T65-fp32-kernel-chunk: in the baseline (passed), missing from this report" in out
+
+
+def test_reports_on_different_dump_sets_are_refused_unless_allowed(tmp_path: Path, capsys) -> None:
+    baseline = _write(tmp_path / "old.json", _report(_full(), digest="b" * 64))
+    report = _write(tmp_path / "new.json", _report(_full()))
+    code, _, err = _gate(capsys, report, "--baseline", baseline)
+    assert code == 2
+    assert "made on another dump set than the baseline (manifest sha256 aaaaaaaaaaaa… against bbbb" in (
+        _one_error_line(err)
+    )
+    assert _gate(capsys, report, "--baseline", baseline, "--allow-different-dumps")[0] == 0
+
+
+def test_a_baseline_without_a_dump_digest_is_refused_unless_allowed(tmp_path: Path, capsys) -> None:
+    baseline = _write(tmp_path / "old.json", _report(_full(), digest=None))
+    report = _write(tmp_path / "new.json", _report(_full()))
+    code, _, err = _gate(capsys, report, "--baseline", baseline)
+    assert code == 2 and "the baseline records no dump-set digest" in _one_error_line(err)
+    assert _gate(capsys, report, "--baseline", baseline, "--allow-different-dumps")[0] == 0
+
+
+@pytest.mark.parametrize("factor", ["nan", "inf", "-inf", "0", "-1", "1"])
+def test_growth_factor_must_be_finite_and_above_one(tmp_path: Path, capsys, factor: str) -> None:
+    report = _write(tmp_path / "r.json", _report(_full()))
+    code, _, err = _gate(capsys, report, "--baseline", report, f"--growth-factor={factor}")
+    assert code == 2
+    assert _one_error_line(err).startswith("error: --growth-factor must be a finite number > 1, got ")
+
+
+def _policy_with(table: str, key: str, value: str) -> str:
+    """The default policy file's text with `key` of `[table]` set to `value`."""
+    text = DEFAULT_POLICY_FILE.read_text()
+    line = re.compile(rf"^{key} = .*$", re.MULTILINE).search(text, text.index(f"{table}\n"))
+    return text[: line.start()] + f"{key} = {value}" + text[line.end() :]
+
+
+@pytest.mark.parametrize(
+    ("table", "key", "value", "named"),
+    [
+        ("[gate.fp32]", "atol", "inf", "[gate.fp32]: tolerance atol must be a finite number >= 0, got inf"),
+        ("[gate.bf16]", "rtol", "-1", "[gate.bf16]: tolerance rtol must be a finite number >= 0, got -1"),
+        ("[gate.bf16]", "max_nrmse", "nan", "[gate.bf16]: tolerance max_nrmse must be a finite number >= 0"),
+        (
+            "[baseline]",
+            "growth_factor",
+            "inf",
+            "[baseline] growth_factor must be a finite number > 1, got inf",
+        ),
+        ("[baseline]", "min_ratio", "nan", "[baseline] min_ratio must be a finite number >= 0, got nan"),
+    ],
+)
+def test_a_policy_with_non_finite_or_negative_limits_is_refused(
+    tmp_path: Path, capsys, table: str, key: str, value: str, named: str
+) -> None:
+    policy = tmp_path / "policy.toml"
+    policy.write_text(_policy_with(table, key, value))
+    with pytest.raises(ValueError, match=re.escape(f"{policy}: {named}")):
+        TolerancePolicy.load(policy)
+    report = _write(tmp_path / "r.json", _report(_full()))
+    code, _, err = _gate(capsys, report, "--tolerances", str(policy))
+    assert code == 2 and named in _one_error_line(err)
+
+
+def test_an_override_with_an_infinite_limit_is_refused(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.toml"
+    policy.write_text(
+        DEFAULT_POLICY_FILE.read_text()
+        + '\n[[override]]\ncheck = "layer"\ndtype = "fp32"\natol = inf\nreason = "x"\n'
+    )
+    with pytest.raises(
+        ValueError, match=r"\('layer'\): tolerance atol must be a finite number >= 0, got inf"
+    ):
+        TolerancePolicy.load(policy)
+
+
+TAMPERINGS = {
+    "margin above 1": ({"margin": 50.0}, "margin 50 > 1"),
+    "margin NaN": ({"margin": "nan"}, "margin nan > 1"),
+    "elements outside": ({"n_outside": 3}, "3 element(s) outside the tolerance"),
+    "NaN in the result": ({"nonfinite": 2}, "2 NaN/Inf value(s)"),
+    "infinite atol": ({"tolerance": {"atol": "inf", "rtol": 1e-5}}, "recorded atol inf is not a finite"),
+    "negative rtol": ({"tolerance": {"atol": 1e-5, "rtol": -1}}, "recorded rtol -1 is not a finite"),
+    "nRMSE over its limit": (
+        {
+            "nrmse_gated": True,
+            "nrmse": 0.5,
+            "gated_nrmse": 0.5,
+            "tolerance": {"atol": 1, "rtol": 1, "max_nrmse": 0.1},
+        },
+        "nRMSE 0.5 > 0.1",
+    ),
+    "recorded failures": ({"failures": ["12 of 16 elements outside"]}, "recorded failures"),
+}
+
+
+@pytest.mark.parametrize("name", list(TAMPERINGS))
+def test_a_passed_status_whose_numbers_fail_is_a_breach(tmp_path: Path, capsys, name: str) -> None:
+    edit, reason = TAMPERINGS[name]
+    checks = _full()
+    checks[2]["metrics"].update(edit)
+    report = _write(tmp_path / "r.json", _report(checks))
+    code, out, _ = _gate(capsys, report)
+    assert code == 1
+    assert f"  T8-fp32-layer: recorded as passed, but its numbers fail: {reason}" in out
+
+
+def test_growth_is_judged_on_the_recomputed_ratio_not_the_recorded_one(tmp_path: Path, capsys) -> None:
+    baseline, checks = _full(), _full()
+    baseline[0]["metrics"].update(margin=0.01)
+    checks[0]["metrics"].update(margin=0.5, gate_ratio=0.01)  # a ratio that hides the growth
+    old = _write(tmp_path / "old.json", _report(baseline))
+    code, out, _ = _gate(capsys, _write(tmp_path / "new.json", _report(checks)), "--baseline", old)
+    assert code == 1 and "T1-fp32-layer: error grew over the baseline: ratio to the limit 0.01 → 0.5" in out
+
+
+MALFORMED = {
+    "a check that is a number": (lambda checks: checks.__setitem__(0, 5), "checks[0]: expected an object"),
+    "an id that is a number": (lambda checks: checks[0].update(id=1), "checks[0]: 'id' must be a string"),
+    "no status": (lambda checks: checks[0].pop("status"), "checks[0]: 'status' must be a string"),
+    "an unknown status": (lambda checks: checks[0].update(status="great"), "'status' must be one of"),
+    "metrics a string": (lambda checks: checks[0].update(metrics="x"), "'metrics' must be an object or null"),
+    "a pass without metrics": (lambda checks: checks[0].update(metrics=None), "must record its 'metrics'"),
+    "a margin that is text": (
+        lambda checks: checks[0]["metrics"].update(margin="low"),
+        "'margin' must be a number",
+    ),
+    "no tolerance": (lambda checks: checks[0]["metrics"].pop("tolerance"), "'tolerance' must be an object"),
+    "nrmse_gated not a bool": (lambda checks: checks[0]["metrics"].update(nrmse_gated="no"), "'nrmse_gated'"),
+    "a duplicated id": (
+        lambda checks: checks.append(dict(checks[0])),
+        "check id 'T1-fp32-layer' appears twice",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_a_malformed_report_is_one_line_and_exit_2(tmp_path: Path, capsys, name: str) -> None:
+    edit, message = MALFORMED[name]
+    checks = _full()
+    edit(checks)
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps(_report(checks)))
+    code, _, err = _gate(capsys, str(report))
+    assert code == 2 and message in _one_error_line(err)
+    code, _, err = _gate(capsys, _write(tmp_path / "good.json", _report(_full())), "--baseline", str(report))
+    assert code == 2 and message in _one_error_line(err)
