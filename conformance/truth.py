@@ -16,6 +16,7 @@ import numpy as np
 
 from conformance.reader import CaseData
 from kda_spec import dump_format as fmt
+from kda_spec.truth import l2_normalised, packed_delta_rule
 
 KERNEL_INPUTS = ("q_after_conv", "k_after_conv", "v_after_conv", "g", "beta")
 
@@ -42,36 +43,22 @@ def recurrence_fp64(
     cu_seqlens: np.ndarray,
     initial_state: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The KDA recurrence in float64 on a packed batch, token by token, with no rounding on the way.
+    """The KDA recurrence in float64 on a packed batch (`kda_spec.truth.packed_delta_rule`, the dumps'
+    own oracle), the inputs widened exactly to float64 first.
 
     q, k (already l2-normalised), v, g: [T, H, D]; beta: [T, H]; initial_state: [N, H, D, D] or None.
-    Per token: `S = S·exp(g_t)` (over the key axis), `S += beta_t · k_t ⊗ (v_t − k_t·S)`,
-    `o_t = (q_t / √D)·S`. Returns o [T, H, D] and the final states [N, H, D, D], float64.
+    Returns o [T, H, D] and the final states [N, H, D, D], float64.
     """
     q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
-    num_seqs, heads, dim = len(cu_seqlens) - 1, q.shape[1], q.shape[2]
-    q = q * dim**-0.5
-    o = np.zeros(q.shape, np.float64)
-    states = np.zeros((num_seqs, heads, dim, dim), np.float64)
-    for n in range(num_seqs):
-        s = np.zeros((heads, dim, dim)) if initial_state is None else np.array(initial_state[n], np.float64)
-        for t in range(int(cu_seqlens[n]), int(cu_seqlens[n + 1])):
-            s *= np.exp(g[t])[:, :, None]
-            residual = v[t] - np.einsum("hk,hkv->hv", k[t], s)
-            s += beta[t][:, None, None] * k[t][:, :, None] * residual[:, None, :]
-            o[t] = np.einsum("hk,hkv->hv", q[t], s)
-        states[n] = s
-    return o, states
+    state = None if initial_state is None else np.asarray(initial_state, np.float64)
+    return packed_delta_rule(q, k, v, g, beta, cu_seqlens, state)
 
 
 def layer_kernel_truth(case: CaseData, dtype: str) -> np.ndarray:
     """The truth of the kernel output inside the layer (`o_kda`): the float64 recurrence on the
     stored truths of q, k (l2-normalised in float64), v, g and beta; `NoTruth` when one is missing."""
     q, k, v, g, beta = (stored_truth(case, name, dtype) for name in KERNEL_INPUTS)
-    o, _ = recurrence_fp64(_l2norm_fp64(q), _l2norm_fp64(k), v, g, beta, case.cu_seqlens, case.initial_state)
+    o, _ = recurrence_fp64(
+        l2_normalised(q), l2_normalised(k), v, g, beta, case.cu_seqlens, case.initial_state
+    )
     return o
-
-
-def _l2norm_fp64(x: np.ndarray) -> np.ndarray:
-    """Per-head L2 normalisation (kda-layer.md step 5) in float64."""
-    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)

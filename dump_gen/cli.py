@@ -20,10 +20,10 @@ import time
 
 from dump_gen.errors import DumpError
 from dump_gen.references import REFERENCES
-from dump_gen.truth import INTERMEDIATES_MAX_TOKENS
 from dump_gen.weights import WEIGHTS_KINDS
 from kda_spec.config import PRESETS, KDAConfig, get_preset
 from kda_spec.dump_format import CASES_BY_ID, select_cases
+from kda_spec.truth import INTERMEDIATES_MAX_TOKENS
 
 # Config override flags: (flag, KDAConfig field, type).
 _OVERRIDES = (

@@ -1,5 +1,5 @@
 """One dump set, case by case: run the reference in fp32 and bf16, both kernel paths on its own q, k, v,
-g, beta, the float64 truth of both runs (dump_gen.truth), and write the arrays, the weights and (last)
+g, beta, the float64 truth of both runs (kda_spec.truth), and write the arrays, the weights and (last)
 the manifest. Non-finite weights or results are refused: a reference holding NaN or Inf is no reference.
 """
 
@@ -19,8 +19,6 @@ from dump_gen.inputs import CaseInputs, case_inputs
 from dump_gen.kernels import PATHS, KernelBackend, kernel_backend
 from dump_gen.references.base import LayerRunner, Reference
 from dump_gen.storage import DumpWriter, npz_bytes
-from dump_gen.truth import IMPLEMENTATION as TRUTH_IMPLEMENTATION
-from dump_gen.truth import INTERMEDIATES_MAX_TOKENS, layer_truth
 from kda_spec.config import KDAConfig
 from kda_spec.dump_format import (
     FORMAT_NAME,
@@ -38,12 +36,14 @@ from kda_spec.dump_format import (
     result_key,
     truth_key,
 )
+from kda_spec.truth import IMPLEMENTATION as TRUTH_IMPLEMENTATION
+from kda_spec.truth import INTERMEDIATES_MAX_TOKENS, layer_truth
 from kda_spec.weight_names import FP32_WEIGHTS
 
 RUN_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RESULT_ORDER = (OUTPUT_KEY, *KERNEL_KEYS, *INTERMEDIATE_KEYS)
 # The truth of the output and the final states is stored for every case, that of the intermediates for
-# cases of at most `truth_intermediates_max_tokens` (dump_gen.truth.INTERMEDIATES_MAX_TOKENS).
+# cases of at most `truth_intermediates_max_tokens` (kda_spec.truth.INTERMEDIATES_MAX_TOKENS).
 TRUTH_ALWAYS = (OUTPUT_KEY, "recurrent_state")
 
 

@@ -100,7 +100,7 @@ def result_key(name: str, dtype: str) -> str:
 
 
 # The float64 truth ("oracle") of each run: the layer computed again in float64 from exactly the inputs
-# and weights that run saw (dump_gen.truth). `recurrent_state` is the layer's final state per sequence.
+# and weights that run saw (kda_spec.truth). `recurrent_state` is the layer's final state per sequence.
 TRUTH_NAMES = (OUTPUT_KEY, "recurrent_state", *INTERMEDIATE_KEYS)
 TRUTH_DTYPE = "float64"
 

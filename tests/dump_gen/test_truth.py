@@ -1,4 +1,4 @@
-"""The float64 truth of a dump (dump_gen.truth): float64-accurate, the reference's math, stored and read."""
+"""The float64 truth of a dump (kda_spec.truth): float64-accurate, the reference's math, stored and read."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from dump_gen.generate import bf16_rounded, run_weights
 from dump_gen.inputs import case_inputs
 from dump_gen.references.transformers_layer import TransformersReference
 from dump_gen.storage import npz_bytes
-from dump_gen.truth import IMPLEMENTATION, delta_rule, l2_normalised, layer_truth, sigmoid, softplus
 from dump_gen.weights import synthetic_weights
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig, get_preset
 from kda_spec.dump_format import CASES_BY_ID
+from kda_spec.truth import IMPLEMENTATION, delta_rule, l2_normalised, layer_truth, sigmoid, softplus
 from tests.dump_gen.conftest import CASES, TINY
 from tests.dump_gen.validate import read_manifest, read_npz
 
@@ -42,7 +42,7 @@ def relative_error(value: np.ndarray, exact: np.ndarray) -> float:
 def recurrence_longdouble(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The delta rule element by element in np.longdouble, written out apart from dump_gen.truth."""
+    """The delta rule element by element in np.longdouble, written out apart from kda_spec.truth."""
     tokens, heads, dim = q.shape
     ld = np.longdouble
     scale = ld(1) / np.sqrt(ld(dim))
@@ -94,7 +94,7 @@ def layer_longdouble(
     initial_state: np.ndarray | None,
     config: KDAConfig,
 ) -> dict[str, np.ndarray]:
-    """The layer in np.longdouble, written out apart from dump_gen.truth (loops for the conv)."""
+    """The layer in np.longdouble, written out apart from kda_spec.truth (loops for the conv)."""
     ld = np.longdouble
     w = {name: array.astype(ld) for name, array in weights.items()}
     x = hidden.astype(ld)

@@ -60,7 +60,7 @@ def validate_set(url: str) -> dict:
     config = manifest["config"]
     assert set(manifest["reference"]) >= {"name", "versions", "device", "patches"}
     truth = manifest["truth"]
-    assert truth["dtype"] == fmt.TRUTH_DTYPE and truth["implementation"].startswith("dump_gen.truth")
+    assert truth["dtype"] == fmt.TRUTH_DTYPE and truth["implementation"].startswith("kda_spec.truth")
     assert set(truth["names"]) <= set(fmt.TRUTH_NAMES), truth["names"]
     weights = read_npz(url, manifest["weights"]["file"], manifest["weights"]["sha256"])
     expected_weights = fmt.weight_shapes(config)

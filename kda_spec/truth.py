@@ -1,4 +1,7 @@
-"""The float64 truth ("oracle") of a dump: the KDA layer computed again, independently, in float64.
+"""The float64 truth ("oracle"): the KDA layer computed again, independently, in float64.
+
+The dump writer stores it for the layer's results (dump_gen.generate); the checker computes the kernels'
+truth with the same recurrence on the dumped kernel inputs (conformance.truth), so both judge by one oracle.
 
 numpy only, straight from the layer's math (docs/kda-layer.md, "Forward"): projections, the causal
 depthwise short conv per sequence (zero conv state at each sequence start) and silu, the gate
@@ -37,7 +40,7 @@ import numpy as np
 from kda_spec.config import KDAConfig
 
 IMPLEMENTATION = (
-    "dump_gen.truth: the layer's math re-implemented in numpy float64 (projections, causal short conv, "
+    "kda_spec.truth: the layer's math re-implemented in numpy float64 (projections, causal short conv, "
     "gate, beta, l2norm, token-by-token delta rule, gated RMSNorm, o_proj), independent of the reference"
 )
 # A dump stores the truth of the intermediates (16 bytes per element for the two runs, more than the
@@ -95,6 +98,34 @@ def delta_rule(
     return o, state
 
 
+def packed_delta_rule(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    g: np.ndarray,
+    beta: np.ndarray,
+    cu_seqlens: np.ndarray,
+    initial_state: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`delta_rule` on a packed batch: q, k (L2-normalised), v, g [T, H, D], beta [T, H], `cu_seqlens`
+    [N+1], `initial_state` [N, H, D_k, D_v] or None (zeros). Returns o [T, H, D] and the final states
+    [N, H, D_k, D_v], in q's dtype."""
+    heads, dim = q.shape[1], q.shape[2]
+    o = np.empty_like(v)
+    states = []
+    for index, (start, end) in enumerate(itertools.pairwise(np.asarray(cu_seqlens).tolist())):
+        state = (
+            np.zeros((heads, dim, v.shape[2]), q.dtype)
+            if initial_state is None
+            else np.asarray(initial_state[index], q.dtype)
+        )
+        o[start:end], final = delta_rule(
+            q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], state
+        )
+        states.append(final)
+    return o, np.stack(states)
+
+
 def gated_rms_norm(o: np.ndarray, gate: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """`o * rsqrt(mean(o * o) + eps) * weight * sigmoid(gate)` over each head's last axis."""
     return o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + eps) * weight * sigmoid(gate)
@@ -130,28 +161,12 @@ def layer_truth(
     beta = sigmoid(x @ w["b_proj.weight"].T)
     g_out = per_head((x @ w["g_a_proj.weight"].T) @ w["g_b_proj.weight"].T)
 
-    o = np.empty_like(v)
-    states = []
-    for index, (start, end) in enumerate(spans):
-        state = (
-            np.zeros((heads, dim, dim), dtype)
-            if initial_state is None
-            else np.asarray(initial_state[index], dtype)
-        )
-        o[start:end], final = delta_rule(
-            l2_normalised(q[start:end]),
-            l2_normalised(k[start:end]),
-            v[start:end],
-            g[start:end],
-            beta[start:end],
-            state,
-        )
-        states.append(final)
+    o, states = packed_delta_rule(l2_normalised(q), l2_normalised(k), v, g, beta, cu_seqlens, initial_state)
     o_norm = gated_rms_norm(o, g_out, w["o_norm.weight"], config.rms_norm_eps)
     out = o_norm.reshape(tokens, heads * dim) @ w["o_proj.weight"].T
     return {
         "out": out,
-        "recurrent_state": np.stack(states),
+        "recurrent_state": states,
         "q_after_conv": q,
         "k_after_conv": k,
         "v_after_conv": v,
