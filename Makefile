@@ -1,6 +1,9 @@
 # Every target creates and reuses a local virtualenv (.venv) on first use.
 #   make conform   the conformance suite of kda_impl against golden/ (JAX only, no torch)
-#   make test      the project's own tests (installs the CPU torch references too)
+#   make test      the project's own tests (installs the CPU torch references too), on PYTEST_WORKERS
+#                  processes (pytest-xdist; default: the CPU count, at most 4)
+# JAX's persistent compilation cache (conformance/compile_cache.py) lives in .cache/jax, or in
+# $JAX_COMPILATION_CACHE_DIR (set empty: off): `make conform` after `make test` reuses what the tests compiled.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,6 +19,7 @@ PRESET ?= kimi-linear-48b-a3b
 REFERENCE ?= transformers
 DEVICE ?= cpu
 PYTEST_ARGS ?=
+PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 DUMP_ARGS ?=
 
 .PHONY: conform test test-slow dump golden lint bench conform-full conform-sglang-jax clean-venv device-check
@@ -34,7 +38,7 @@ conform: $(VENV)/.core
 	$(PY) -m conformance run --dumps $(DUMPS) --kernel $(KERNEL) --report-dir $(REPORT_DIR)
 
 test: $(VENV)/.full
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 test-slow: $(VENV)/.full
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
@@ -59,6 +63,7 @@ lint: $(VENV)/.full
 
 bench: $(VENV)/.full
 	$(PY) -m benchmarks.bench_kernels
+	$(PY) -m benchmarks.bench_decode
 	$(PY) -m benchmarks.bench_layer
 
 # On a GPU machine, with the machine's own python (torch, JAX, triton) and the wheels in .whl/; here:

@@ -18,9 +18,24 @@ import numpy as np
 from conformance import sequences
 from conformance.adapter import KDAAdapter, LayerResult
 from conformance.metrics import Comparison, attribute, compare, judge
-from conformance.reader import CaseData, DumpSet
+from conformance.positions import (
+    DECODE_POSITIONS,
+    LAYER_POSITIONS,
+    POSITION_CHECKS,
+    PositionProfile,
+    judge_by_windows,
+    position_profile,
+)
+from conformance.reader import CaseData, CaseInfo, DumpSet
 from conformance.tolerances import TolerancePolicy
-from conformance.truth import KERNEL_INPUTS, NoTruth, recurrence_fp64, stored_truth
+from conformance.truth import (
+    COMPUTED_LAYER_TRUTH_SOURCE,
+    KERNEL_INPUTS,
+    NoTruth,
+    computed_layer_truth,
+    recurrence_fp64,
+    stored_truth,
+)
 from kda_spec import dump_format as fmt
 
 # Kernel checks: check name → (kernel path as in the dump keys, which result).
@@ -80,13 +95,22 @@ def case_checks(seq_lens: tuple[int, ...]) -> list[str]:
     ]
 
 
+def long_case_checks(info: CaseInfo) -> list[str]:
+    """The checks of a long case (group `long`): its output by position (conformance/positions.py), and
+    the whole prefill and its state, or the decode steps the case asks for."""
+    if info.decode_steps:
+        return [f"decode-k{info.decode_steps}", DECODE_POSITIONS]
+    return ["layer", "layer-state", LAYER_POSITIONS]
+
+
 def plan(dumps: DumpSet, case_ids: list[str], dtypes: list[str]) -> list[CheckSpec]:
     """Every check of the selected cases and dtypes, ordered by case, then dtype."""
+    infos = {case_id: dumps.cases[case_id] for case_id in case_ids}
     return [
         CheckSpec(case_id, dtype, check)
-        for case_id in case_ids
+        for case_id, info in infos.items()
         for dtype in dtypes
-        for check in case_checks(dumps.cases[case_id].seq_lens)
+        for check in (long_case_checks(info) if info.group == fmt.LONG_GROUP else case_checks(info.seq_lens))
     ]
 
 
@@ -131,6 +155,7 @@ class CheckRunner:
         self._weights: dict[str, np.ndarray] | None = None
         self._case: CaseData | None = None
         self._memo: dict[tuple[Any, ...], Any] = {}
+        self.position_profiles: dict[str, PositionProfile] = {}  # by check id: the long cases' windows
 
     # ------------------------------------------------------------------------------------- resources
 
@@ -180,6 +205,8 @@ class CheckRunner:
         case = self.case(spec.case_id)
         if not case.has_dtype(spec.dtype):
             raise CheckSkipped(f"the dump has no {spec.dtype} run (no {fmt.result_key('out', spec.dtype)})")
+        if spec.check in POSITION_CHECKS:
+            return self.by_position(case, spec)
         actual, expected, axes, positions = self.pair(case, spec)
         return self.compare(case, spec, np.asarray(actual), expected, axes, positions)
 
@@ -212,19 +239,66 @@ class CheckRunner:
         attribution = attribute(actual, expected, truth_value, source, tolerance, limits, apart)
         return judge(comparison, mode, attribution)
 
+    def by_position(self, case: CaseData, spec: CheckSpec) -> Comparison:
+        """A long case's output (its prefill, or its prefill then decode steps) against the reference and
+        the float64 truth window by window, gated by the relative gate in every window."""
+        dtype, decode_steps = spec.dtype, case.info.decode_steps
+        if spec.check == DECODE_POSITIONS:
+            actual, _ = self.decode_full(case, dtype, decode_steps)
+        else:
+            actual = np.asarray(self.layer(case, dtype).out)
+        expected = self._expected(case, "out", dtype)
+        try:
+            truth = stored_truth(case, "out", dtype)
+        except NoTruth as missing:
+            raise CheckSkipped(f"{missing}: the error by position is measured against it") from None
+        tolerance = self.policy.tolerance(spec.check, dtype)
+        comparison = compare(
+            actual, expected, tolerance, self.policy.rfc[dtype], _OUT_AXES, {}, case.info.seq_lens
+        )
+        if not comparison.usable:
+            return judge(comparison, self.policy.mode(spec.check, dtype), None, "nothing compared")
+        profile = position_profile(
+            actual,
+            expected,
+            truth,
+            tolerance,
+            self.policy.relative[dtype],
+            case_id=case.info.case_id,
+            dtype=dtype,
+            check=spec.check,
+            decode_from=case.info.total_tokens - decode_steps if spec.check == DECODE_POSITIONS else None,
+        )
+        self.position_profiles[spec.id] = profile
+        return judge_by_windows(comparison, profile, f"dump: {fmt.truth_key('out', dtype)}")
+
     def truth(self, case: CaseData, spec: CheckSpec, positions: dict) -> tuple[np.ndarray, str]:
         """The check's float64 truth and where it comes from; `NoTruth` when there is none."""
         if spec.check in KERNEL_CHECKS:
             o, state = self.kernel_truth(case, spec.dtype)
             value, source = (o if KERNEL_CHECKS[spec.check][1] == "o" else state), KERNEL_TRUTH_SOURCE
         else:
-            name = truth_name(spec.check)
-            value, source = stored_truth(case, name, spec.dtype), f"dump: {fmt.truth_key(name, spec.dtype)}"
+            value, source = self.layer_truth(case, truth_name(spec.check), spec.dtype)
             if "token" in positions:
                 value = value[positions["token"]]
         if not np.all(np.isfinite(value)):
             raise NoTruth(f"the truth ({source}) holds NaN/Inf values")
         return value, source
+
+    def layer_truth(self, case: CaseData, name: str, dtype: str) -> tuple[np.ndarray, str]:
+        """The float64 truth of layer result `name` and its source: the dump's stored one, else, in a set
+        made under the truth contract, the one computed here from the dump's inputs and weights
+        (`conformance.truth.computed_layer_truth`); `NoTruth` otherwise."""
+        try:
+            return stored_truth(case, name, dtype), f"dump: {fmt.truth_key(name, dtype)}"
+        except NoTruth:
+            if not self.dumps.has_truth:  # made before the truth contract: its runs' inputs are not pinned
+                raise
+
+        def compute() -> dict[str, np.ndarray]:
+            return computed_layer_truth(case, dtype, self.weights(), self.dumps.config)
+
+        return self._memoized(("layer-truth", dtype), compute)[name], COMPUTED_LAYER_TRUTH_SOURCE
 
     def kernel_truth(self, case: CaseData, dtype: str) -> tuple[np.ndarray, np.ndarray]:
         """The float64 recurrence on the dumped kernel inputs of the `dtype` run (q, k l2-normalised in
@@ -325,6 +399,12 @@ class CheckRunner:
         Returns the decoded output rows and their token positions in the case. Sequences that need
         fewer steps than the longest one are fed zero tokens afterwards, whose outputs are ignored.
         """
+        out, token_rows = self.decode_full(case, dtype, k)
+        return out[token_rows], token_rows
+
+    def decode_full(self, case: CaseData, dtype: str, k: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """`decode`'s run with every output row: the prefill's, then the decoded ones (a long case's
+        output by position); and the decoded rows' positions."""
         return self._memoized(("decode", dtype, k), lambda: self._decode(case, dtype, k))
 
     def _decode(self, case: CaseData, dtype: str, k: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -342,6 +422,7 @@ class CheckRunner:
             case.initial_state,
         )
         out = np.zeros(x.shape, np.float32)
+        out[sequences.rows(cu, prefill)] = np.asarray(result.out)
         carry = result.carry
         for step in range(max(steps)):
             positions = [cu[i] + seq_lens[i] - steps[i] + step for i in range(len(seq_lens))]
@@ -354,7 +435,7 @@ class CheckRunner:
                 if on:
                     out[p] = decoded[i]
         token_rows = sequences.rows(cu, [(n - s, n) for n, s in zip(seq_lens, steps)])
-        return out[token_rows], token_rows
+        return out, token_rows
 
     def chunked_prefill(self, case: CaseData, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
         """The case prefilled in pieces, each call continuing the last; (out [T, hidden], final states)."""

@@ -1,4 +1,4 @@
-"""`python -m conformance {run,gate,diff,verify}` (docs/cli.md).
+"""`python -m conformance {run,gate,diff,verify,power}` (docs/cli.md).
 
 Exit codes: 0 all holds; 1 a check or stage out of tolerance, or a gate breach; 2 a usage error, an
 unreadable or broken dump set or report.
@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from conformance.adapter import KDAAdapter, load_adapter_class, parse_option_pairs
+from conformance.compile_cache import enable_compile_cache
 from conformance.output_files import check_writable_file, clear_report_dir, nothing_checked
 from conformance.reader import DumpError, DumpSet
 from conformance.tolerances import DEFAULT_POLICY_FILE, TolerancePolicy, check_growth_factor
@@ -85,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = commands.add_parser("verify", help="check a dump set's schema and checksums")
     verify.add_argument("--dumps", required=True, metavar="DIR_OR_URL")
+
+    power = commands.add_parser("power", help="the smallest injected defect the suite catches")
+    power.add_argument("--dumps", required=True, metavar="DIR_OR_URL")
+    power.add_argument("--dtype", default="all", choices=(*DTYPES, "all"))
+    power.add_argument("--cases", nargs="+", metavar="ID", help="case ids (default: each defect's own)")
+    power.add_argument("--defects", nargs="+", metavar="PATTERN", help="defect ids or fnmatch patterns")
+    power.add_argument("--kernel", default="auto", choices=KERNELS, help="kernel of the implementation")
+    power.add_argument("--tolerances", default=str(DEFAULT_POLICY_FILE), help="tolerance policy file")
+    power.add_argument("--report-dir", default="reports", metavar="DIR")
     return parser
 
 
@@ -166,6 +176,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.exitfirst:
         pytest_args.append("-x")
     pytest_args += args.pytest_args
+    enable_compile_cache()
     code = int(pytest.main(pytest_args))
     unchecked = nothing_checked(report_dir, code, args.keyword)
     if unchecked:
@@ -226,6 +237,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         except ValueError as err:
             raise UsageError(str(err)) from None
     adapter_class, options = _adapter(args)
+    enable_compile_cache()
     runner = CheckRunner(dumps, adapter_class, args.kernel, _policy(args.tolerances), options)
     if not runner.case(args.case).has_dtype(args.dtype):
         raise UsageError(f"case {args.case!r} of {args.dumps} has no {args.dtype} run")
@@ -251,7 +263,26 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return EXIT_OK if first is None else EXIT_FAIL
 
 
-COMMANDS = {"run": cmd_run, "gate": cmd_gate, "diff": cmd_diff, "verify": cmd_verify}
+def cmd_power(args: argparse.Namespace) -> int:
+    from conformance import power
+
+    dumps, policy = _open_verified(args.dumps), _policy(args.tolerances)
+    enable_compile_cache()
+    try:
+        result, missed = power.run(
+            dumps, policy, dtype=args.dtype, cases=args.cases, defect_patterns=args.defects,
+            kernel=args.kernel, report_dir=Path(args.report_dir), command=" ".join(sys.argv),
+        )  # fmt: skip
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    print("\n".join(power.terminal_lines(result)))
+    print(f"power: reports in {args.report_dir}; goals " + ("met" if not missed else "MISSED:"))
+    for reason in missed:
+        print(f"  {reason}")
+    return EXIT_FAIL if missed else EXIT_OK
+
+
+COMMANDS = {"run": cmd_run, "gate": cmd_gate, "diff": cmd_diff, "verify": cmd_verify, "power": cmd_power}
 
 
 def main(argv: list[str] | None = None) -> int:

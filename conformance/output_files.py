@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-REPORT_FILES = ("report.json", "report.md", "junit.xml")
+from conformance.positions import POSITION_FILES
+
+REPORT_FILES = ("report.json", "report.md", "junit.xml", *POSITION_FILES)
 _PYTEST_NO_TESTS_COLLECTED = 5
 
 

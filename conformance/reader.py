@@ -46,6 +46,8 @@ class CaseInfo:
     initial_state: bool
     layer_kernel_path: str
     keys: tuple[str, ...]
+    group: str | None = None  # an optional case group ("long"), None for the standard cases
+    decode_steps: int = 0  # tokens the checker decodes one by one after prefilling the rest (0: none)
 
     @property
     def total_tokens(self) -> int:
@@ -117,6 +119,9 @@ class DumpSet:
         self.config = _parse_config(manifest.get("config"), where)
         self.weights_file, self.weights_sha256 = _parse_weights_block(manifest.get("weights"), where)
         self.cases: dict[str, CaseInfo] = _parse_cases(manifest, where)
+        # A `truth` block says the set was made under the float64-truth contract (docs/dump-format.md):
+        # the checker may then compute the truth the set left out for size (conformance/truth.py).
+        self.has_truth = isinstance(manifest.get("truth"), dict)
 
     # ------------------------------------------------------------------------------------------- files
 
@@ -303,6 +308,15 @@ def _parse_cases(manifest: dict[str, Any], where: str) -> dict[str, CaseInfo]:
         keys = entry.get("keys", [])
         if not (isinstance(keys, list) and all(isinstance(key, str) for key in keys)):
             raise DumpError(f"{label}: 'keys' must be a list of strings, found {keys!r}")
+        group = entry.get("group")
+        if group is not None and not (isinstance(group, str) and group):
+            raise DumpError(f"{label}: 'group' must be a non-empty string, found {group!r}")
+        decode_steps = entry.get("decode_steps", 0)
+        if not (_is_int(decode_steps) and 0 <= decode_steps < min(seq_lens)):
+            raise DumpError(
+                f"{label}: 'decode_steps' must be an integer from 0 to the shortest sequence's length - 1 "
+                f"({min(seq_lens) - 1}), found {decode_steps!r}"
+            )
         info = CaseInfo(
             case_id=case_id,
             file=_relative_path(entry["file"], f"{label}: 'file'"),
@@ -311,6 +325,8 @@ def _parse_cases(manifest: dict[str, Any], where: str) -> dict[str, CaseInfo]:
             initial_state=initial_state,
             layer_kernel_path=kernel_path,
             keys=tuple(keys),
+            group=group,
+            decode_steps=decode_steps,
         )
         if info.case_id in cases:
             raise DumpError(f"{label}: case id {info.case_id!r} appears twice")

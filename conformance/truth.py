@@ -4,21 +4,37 @@ docs/tolerance-policy.md, "Judged against the float64 truth", says how.
 
 Layer results (the output, the final recurrent state, the intermediates) have their truth stored in
 the dump by an independent float64 implementation of the layer: `<name>_fp64` for the fp32 run,
-`<name>_bf16_fp64` for the bf16 run (`dump_format.truth_key`). The kernels' truth is not stored:
-it is a pure function of the dumped kernel inputs, computed here by a float64 recurrence
+`<name>_bf16_fp64` for the bf16 run (`dump_format.truth_key`). A dump stores the intermediates' truth
+only for its shorter cases (golden/: up to 65 tokens, to stay small); for the others the checker runs
+the same implementation (`kda_spec.truth.layer_truth`) on the dump's own hidden states and weights,
+rounded as that run rounded them: a pure function of data already in the dump. The kernels' truth is
+not stored either: it is a pure function of the dumped kernel inputs, computed here by a float64 recurrence
 (kda-layer.md step 6) on exactly the l2-normalised q, k, and the v, g, beta the kernel under test
 gets.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from conformance.reader import CaseData
 from kda_spec import dump_format as fmt
-from kda_spec.truth import l2_normalised, packed_delta_rule
+from kda_spec.config import KDAConfig
+from kda_spec.truth import (
+    l2_normalised,
+    layer_truth,
+    packed_delta_rule,
+    run_hidden_states,
+    run_weights,
+)
 
 KERNEL_INPUTS = ("q_after_conv", "k_after_conv", "v_after_conv", "g", "beta")
+COMPUTED_LAYER_TRUTH_SOURCE = "float64 layer (kda_spec.truth) computed here on the dumped inputs and weights"
+# The checker computes a case's layer truth itself up to this many tokens: every [T, H, D] float64
+# array of it is 128 MiB at T = 4096 and the real size, and the layer holds about a dozen.
+COMPUTE_MAX_TOKENS = 4096
 
 
 class NoTruth(Exception):
@@ -32,6 +48,27 @@ def stored_truth(case: CaseData, name: str, dtype: str) -> np.ndarray:
     if value is None:
         raise NoTruth(f"no truth in the dump ({key!r})")
     return value
+
+
+def computed_layer_truth(
+    case: CaseData, dtype: str, weights: Mapping[str, np.ndarray], config: KDAConfig
+) -> dict[str, np.ndarray]:
+    """The float64 truth of every layer result of the `dtype` run of `case`, by result name, computed from
+    the dump's hidden states and float32 `weights` as dump_gen computes the stored one; `NoTruth` for a
+    case longer than `COMPUTE_MAX_TOKENS`."""
+    tokens = case.info.total_tokens
+    if tokens > COMPUTE_MAX_TOKENS:
+        raise NoTruth(
+            f"no truth in the dump for this result, and the case has {tokens} tokens, more than the "
+            f"{COMPUTE_MAX_TOKENS} the checker computes the layer's truth for"
+        )
+    return layer_truth(
+        run_weights(weights, dtype),
+        run_hidden_states(case.hidden_states, dtype),
+        case.cu_seqlens,
+        case.initial_state,
+        config,
+    )
 
 
 def recurrence_fp64(

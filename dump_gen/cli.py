@@ -1,7 +1,7 @@
 """`python -m dump_gen`: make a dump set from a torch reference of the KDA layer.
 
     python -m dump_gen --out DIR_OR_URL [--overwrite] [--preset NAME] [--reference transformers|fla|hf-hub]
-        [--hub-snapshot DIR] [--checkpoint DIR --layer N] [--cases ID ...] [--seed N] [--device cpu|cuda]
+        [--hub-snapshot DIR] [--checkpoint DIR --layer N] [--cases ID|long ...] [--seed N] [--device cpu|cuda]
         [--weights synthetic|stress] [--hidden-size N] [--num-heads N] [--head-dim N] [--conv-size N]
         [--rms-norm-eps X] [--threads N] [--truth-intermediates-max-tokens N]
 
@@ -22,7 +22,7 @@ from dump_gen.errors import DumpError
 from dump_gen.references import REFERENCES
 from dump_gen.weights import WEIGHTS_KINDS
 from kda_spec.config import PRESETS, KDAConfig, get_preset
-from kda_spec.dump_format import CASES_BY_ID, select_cases
+from kda_spec.dump_format import CASE_GROUPS, CASES_BY_ID, select_cases
 from kda_spec.truth import INTERMEDIATES_MAX_TOKENS
 
 # Config override flags: (flag, KDAConfig field, type).
@@ -75,7 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint", metavar="DIR", help="read the weights of one layer from these safetensors"
     )
     parser.add_argument("--layer", type=int, metavar="N", help="0-based layer of --checkpoint")
-    parser.add_argument("--cases", nargs="+", metavar="ID", help=f"a subset of {list(CASES_BY_ID)}")
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        metavar="ID",
+        help=f"a subset of {list(CASES_BY_ID)}, or a group of them: {list(CASE_GROUPS)} (never by default)",
+    )
     parser.add_argument(
         "--seed", type=int, default=0, help="seeds the synthetic weights and every case's inputs"
     )

@@ -26,6 +26,8 @@ from kda_spec.dump_format import (
     FP32_IN_BF16_RUN,
     INTERMEDIATE_KEYS,
     KERNEL_KEYS,
+    LONG_GROUP,
+    LONG_RESULT_NAMES,
     OUTPUT_KEY,
     TRUTH_DTYPE,
     TRUTH_NAMES,
@@ -36,9 +38,15 @@ from kda_spec.dump_format import (
     result_key,
     truth_key,
 )
+from kda_spec.truth import (
+    BLOCK_TOKENS,
+    INTERMEDIATES_MAX_TOKENS,
+    layer_output_truth,
+    layer_truth,
+    run_hidden_states,
+    run_weights,
+)
 from kda_spec.truth import IMPLEMENTATION as TRUTH_IMPLEMENTATION
-from kda_spec.truth import INTERMEDIATES_MAX_TOKENS, layer_truth
-from kda_spec.weight_names import FP32_WEIGHTS
 
 RUN_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RESULT_ORDER = (OUTPUT_KEY, *KERNEL_KEYS, *INTERMEDIATE_KEYS)
@@ -96,16 +104,10 @@ def run_dtype(
     return results, layer.kernel_paths
 
 
-def bf16_rounded(array: np.ndarray) -> np.ndarray:
-    """float32 `array` rounded to bf16 as the bf16 run rounds it (torch's cast: to nearest even)."""
-    return torch.from_numpy(array).to(torch.bfloat16).float().numpy()
-
-
-def run_weights(weights: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
-    """The weights the `dtype` run computes with: in the bf16 run rounded to bf16, except FP32_WEIGHTS."""
-    if dtype == "fp32":
-        return weights
-    return {name: array if name in FP32_WEIGHTS else bf16_rounded(array) for name, array in weights.items()}
+def result_names(case: CaseSpec) -> tuple[str, ...]:
+    """The results stored of each run of `case`: all of them, or the output and the final states of a
+    long case (its [T, H, D] kernel outputs and intermediates would be gigabytes at the real size)."""
+    return LONG_RESULT_NAMES if case.group == LONG_GROUP else RESULT_ORDER
 
 
 def truth_names(case: CaseSpec, intermediates_max_tokens: int) -> tuple[str, ...]:
@@ -125,8 +127,11 @@ def truth_arrays(
     shape_config = config.to_manifest()
     arrays = {}
     for dtype, weights in weights_by_dtype.items():
-        hidden = inputs.hidden_states if dtype == "fp32" else bf16_rounded(inputs.hidden_states)
-        results = layer_truth(weights, hidden, inputs.cu_seqlens, inputs.initial_state, config)
+        hidden = run_hidden_states(inputs.hidden_states, dtype)
+        if set(names) <= set(TRUTH_ALWAYS) and case.total_tokens > BLOCK_TOKENS:  # a long case, in blocks
+            results = layer_output_truth(weights, hidden, inputs.cu_seqlens, inputs.initial_state, config)
+        else:
+            results = layer_truth(weights, hidden, inputs.cu_seqlens, inputs.initial_state, config)
         for name in names:
             key, array = truth_key(name, dtype), results[name]
             shape = expected_shape(
@@ -158,7 +163,7 @@ def case_arrays(
     paths_by_dtype = {}
     for dtype, runner in runners.items():
         results, paths_by_dtype[dtype] = run_dtype(runner, kernels, inputs, dtype, device)
-        for name in RESULT_ORDER:
+        for name in result_names(case):
             array = stored_array(name, results[name], dtype)
             shape = expected_shape(
                 name, tokens=case.total_tokens, num_seqs=len(case.seq_lens), config=shape_config
@@ -175,6 +180,15 @@ def case_arrays(
             f"case {case.case_id}: the layer took different kernels per dtype: {paths_by_dtype}"
         )
     return arrays, paths_by_dtype["fp32"]
+
+
+def case_group_fields(case: CaseSpec) -> dict[str, Any]:
+    """The manifest fields of a case in a group: its `group` and, where it has them, its `decode_steps`
+    (none for the standard and extra cases, whose entries stay as before)."""
+    fields: dict[str, Any] = {} if case.group is None else {"group": case.group}
+    if case.decode_steps:
+        fields["decode_steps"] = case.decode_steps
+    return fields
 
 
 def main_path(case: CaseSpec, paths: list[str]) -> str:
@@ -225,6 +239,7 @@ def generate(
                 "initial_state": case.initial_state,
                 "layer_kernel_path": main_path(case, paths),
                 "layer_kernel_path_per_seq": paths,
+                **case_group_fields(case),
                 "keys": list(arrays),
             }
         )

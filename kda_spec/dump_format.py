@@ -22,11 +22,18 @@ CASES_DIR = "cases"
 
 @dataclasses.dataclass(frozen=True)
 class CaseSpec:
-    """One dump case: the sequence lengths of its packed batch and whether it starts from a state."""
+    """One dump case: the sequence lengths of its packed batch and whether it starts from a state.
+
+    `group`: the optional group the case belongs to (`CASE_GROUPS`), None for the standard and extra
+    cases; `decode_steps`: how many of its last tokens the checker decodes one by one after a prefill
+    of the rest (0: the checker's usual prefill→decode checks only).
+    """
 
     case_id: str
     seq_lens: tuple[int, ...]
     initial_state: bool = False
+    group: str | None = None
+    decode_steps: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -58,18 +65,37 @@ EXTRA_CASES: tuple[CaseSpec, ...] = (
     CaseSpec("T333", (333,)),
     CaseSpec("varlen_70_3", (70, 3)),
 )
-ALL_CASES: tuple[CaseSpec, ...] = STANDARD_CASES + EXTRA_CASES
+# The optional `long` group, only made when named (`--cases long`): contexts far past the RFC's 1024
+# tokens, where the recurrent state's error accumulates. A long case stores the layer output and the
+# final states but not the per-token kernel outputs or the intermediates (LONG_RESULT_NAMES), and only
+# the output's and the states' float64 truth. The decode case is one sequence of 8192 + 512 tokens; the
+# checker prefills the first 8192 and decodes the last 512 one by one from the carried state.
+LONG_GROUP = "long"
+LONG_CASES: tuple[CaseSpec, ...] = (
+    CaseSpec("long_T16384", (16384,), group=LONG_GROUP),
+    CaseSpec("long_prefill8192_decode512", (8192 + 512,), group=LONG_GROUP, decode_steps=512),
+)
+CASE_GROUPS: dict[str, tuple[CaseSpec, ...]] = {LONG_GROUP: LONG_CASES}
+ALL_CASES: tuple[CaseSpec, ...] = STANDARD_CASES + EXTRA_CASES + LONG_CASES
 CASES_BY_ID: dict[str, CaseSpec] = {case.case_id: case for case in ALL_CASES}
 
 
 def select_cases(case_ids: list[str] | None) -> tuple[CaseSpec, ...]:
-    """The cases named by `case_ids` (the standard twelve when None); a ValueError names the unknown."""
+    """The cases named by `case_ids`, a group name (`long`) standing for its cases in order (the standard
+    twelve when None); a ValueError names the unknown."""
     if not case_ids:
         return STANDARD_CASES
-    unknown = [case_id for case_id in case_ids if case_id not in CASES_BY_ID]
+    unknown = [name for name in case_ids if name not in CASES_BY_ID and name not in CASE_GROUPS]
     if unknown:
-        raise ValueError(f"unknown case id(s) {unknown}; known cases: {list(CASES_BY_ID)}")
-    return tuple(CASES_BY_ID[case_id] for case_id in case_ids)
+        raise ValueError(
+            f"unknown case id(s) {unknown}; known cases: {list(CASES_BY_ID)}; groups: {list(CASE_GROUPS)}"
+        )
+    selected: list[CaseSpec] = []
+    for name in case_ids:
+        for case in CASE_GROUPS.get(name, (CASES_BY_ID.get(name),)):
+            if case not in selected:
+                selected.append(case)
+    return tuple(selected)
 
 
 # Input keys of a case file.
@@ -85,6 +111,8 @@ KERNEL_KEYS = (
 )
 INTERMEDIATE_KEYS = ("q_after_conv", "k_after_conv", "v_after_conv", "g", "beta", "g_out", "o_norm")
 OPTIONAL_KEYS = ("final_conv_state",)
+# What a long case stores of each run: the output and the final states, not the [T, H, D] results.
+LONG_RESULT_NAMES = (OUTPUT_KEY, "recurrent_state_chunk", "recurrent_state_fused_recurrent")
 # Keys that stay float32 in a bf16 run (states and the fp32 gate path).
 FP32_IN_BF16_RUN = frozenset({"recurrent_state_chunk", "recurrent_state_fused_recurrent", "g", "beta"})
 DTYPES = ("fp32", "bf16")

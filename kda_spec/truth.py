@@ -35,9 +35,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 
+import ml_dtypes
 import numpy as np
 
 from kda_spec.config import KDAConfig
+from kda_spec.weight_names import FP32_WEIGHTS
 
 IMPLEMENTATION = (
     "kda_spec.truth: the layer's math re-implemented in numpy float64 (projections, causal short conv, "
@@ -49,6 +51,24 @@ IMPLEMENTATION = (
 INTERMEDIATES_MAX_TOKENS = 1024
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
+
+
+def bf16_rounded(array: np.ndarray) -> np.ndarray:
+    """float32 `array` rounded to bf16 as the bf16 run rounds it (to nearest even), back in float32."""
+    return np.asarray(array, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def run_weights(weights: Mapping[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
+    """The weights the `dtype` run ("fp32" or "bf16") computes with: in the bf16 run rounded to bf16,
+    except FP32_WEIGHTS (A_log, dt_bias), which it keeps in fp32. The truth of a run starts from these."""
+    if dtype == "fp32":
+        return dict(weights)
+    return {name: array if name in FP32_WEIGHTS else bf16_rounded(array) for name, array in weights.items()}
+
+
+def run_hidden_states(hidden_states: np.ndarray, dtype: str) -> np.ndarray:
+    """The layer input the `dtype` run sees: the dumped float32 hidden states, rounded in the bf16 run."""
+    return np.asarray(hidden_states, np.float32) if dtype == "fp32" else bf16_rounded(hidden_states)
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -175,3 +195,70 @@ def layer_truth(
         "g_out": g_out,
         "o_norm": o_norm,
     }
+
+
+# A long case's truth of the output and the final states is computed this many tokens at a time, so
+# that no [T, H, D] array of the whole sequence is held in float64 (at the real size one is 512 MiB
+# for T = 16384, and the whole-sequence layer holds about a dozen).
+BLOCK_TOKENS = 1024
+
+
+def layer_output_truth(
+    weights: Mapping[str, np.ndarray],
+    hidden_states: np.ndarray,
+    cu_seqlens: np.ndarray,
+    initial_state: np.ndarray | None,
+    config: KDAConfig,
+    dtype: type[np.floating] = np.float64,
+    block_tokens: int = BLOCK_TOKENS,
+) -> dict[str, np.ndarray]:
+    """`out` [T, hidden] and `recurrent_state` [N, H, D, D] of `layer_truth` (the same math, no
+    intermediates), each sequence taken `block_tokens` tokens at a time: a block's short conv reads the
+    previous block's last `conv_size - 1` inputs, and its delta rule starts from the state the previous
+    block left. Memory grows with `block_tokens`, not with T."""
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    w = {name: np.asarray(array, dtype) for name, array in weights.items()}
+    x = np.asarray(hidden_states, dtype)
+    heads, dim, tail = config.num_heads, config.head_dim, config.conv_size - 1
+    out = np.empty((x.shape[0], w["o_proj.weight"].shape[0]), dtype)
+    states = []
+    for index, (start, end) in enumerate(itertools.pairwise(np.asarray(cu_seqlens).tolist())):
+        state = (
+            np.zeros((heads, dim, dim), dtype)
+            if initial_state is None
+            else np.asarray(initial_state[index], dtype)
+        )
+        for block_start in range(start, end, block_tokens):
+            block_end = min(block_start + block_tokens, end)
+            context = max(start, block_start - tail)  # the conv's inputs before the block, in the sequence
+            out[block_start:block_end], state = _layer_block(
+                w, x[context:block_end], block_start - context, state, config
+            )
+        states.append(state)
+    return {"out": out, "recurrent_state": np.stack(states)}
+
+
+def _layer_block(
+    w: Mapping[str, np.ndarray], x: np.ndarray, skip: int, state: np.ndarray, config: KDAConfig
+) -> tuple[np.ndarray, np.ndarray]:
+    """The layer's output on the tokens `x[skip:]` of one sequence, `x[:skip]` being the tokens just
+    before them (the short conv's context), from recurrent `state` [H, D, D]; (out, final state)."""
+    heads, dim = config.num_heads, config.head_dim
+    tokens = x.shape[0] - skip
+    span = [(0, x.shape[0])]
+
+    def per_head(a: np.ndarray) -> np.ndarray:
+        return a.reshape(tokens, heads, dim)
+
+    q, k, v = (
+        per_head(short_conv(x @ w[f"{n}_proj.weight"].T, w[f"{n}_conv1d.weight"], span)[skip:]) for n in "qkv"
+    )
+    x = x[skip:]
+    f = per_head((x @ w["f_a_proj.weight"].T) @ w["f_b_proj.weight"].T + w["dt_bias"])
+    g = -np.exp(w["A_log"].reshape(heads, 1)) * softplus(f)
+    beta = sigmoid(x @ w["b_proj.weight"].T)
+    g_out = per_head((x @ w["g_a_proj.weight"].T) @ w["g_b_proj.weight"].T)
+    o, state = delta_rule(l2_normalised(q), l2_normalised(k), v, g, beta, state)
+    o_norm = gated_rms_norm(o, g_out, w["o_norm.weight"], config.rms_norm_eps)
+    return o_norm.reshape(tokens, heads * dim) @ w["o_proj.weight"].T, state

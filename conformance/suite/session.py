@@ -12,6 +12,7 @@ import pytest
 from conformance.adapter import load_adapter_class
 from conformance.checks import CheckRunner, CheckSkipped, CheckSpec, plan
 from conformance.metrics import Comparison
+from conformance.positions import write_files as write_position_files
 from conformance.reader import DumpSet
 from conformance.report import Record, build_report, environment, markdown, write_json
 from conformance.tolerances import TolerancePolicy
@@ -111,5 +112,7 @@ class ConformanceSession:
         folder = self.options.report_dir
         folder.mkdir(parents=True, exist_ok=True)
         write_json(self.report(), folder / "report.json")
-        (folder / "report.md").write_text(markdown(self.report()))
+        # The long cases' error by position: its files beside report.md, and a section at its end.
+        by_position = write_position_files(list(self.runner.position_profiles.values()), folder)
+        (folder / "report.md").write_text(markdown(self.report()) + "\n".join(by_position))
         return [folder / "report.json", folder / "report.md"]

@@ -14,15 +14,19 @@ Per chunk of C tokens (per head), with G the in-chunk inclusive cumsum of the lo
     o  = scale * (q * Γ) @ S0 + Aqk @ w
     S1 = diag(Γ_C) S0 + (k * exp(G_C - G))^T @ w
 
-Everything state-independent (scores, inverse, U, Wk, decays) is computed for all chunks at once
-(`intra_chunk`); the `lax.scan` over chunks carries only S and does the two products that need it.
+Implementation: one `lax.scan` step per chunk (`chunk_step`), batched over heads; w is computed as
+(I + A)^-1 (beta * v - (beta * k * Γ) @ S0), and one matmul `[beta k Γ ; scale q Γ] @ S0` serves both
+state products. Working chunk by chunk keeps every temporary at `[H, C, ...]` (cache-sized): on XLA:CPU
+the all-chunks-at-once form spent most of its time streaming `[NC, H, C, K]` temporaries through
+memory (docs/kernels.md, "Speed").
 
 Strong decay: the factorised form `(q exp(G)) @ (k exp(-G))^T` overflows fp32 once -G passes ~88
 (g reaches -60 per token), and `exp(G_i - G_j)` from two long prefix sums loses ~eps*|G| to
-cancellation once strong decays precede weak ones. Here no exponent is ever a difference: Γ and the
-decay to the chunk end are exps of one-segment sums, and the in-chunk scores are built by recursive
-halving, each lower-left quadrant factorised around its middle row into two products of per-token
-decays exp(g) <= 1 (`decay_scores`).
+cancellation once strong decays precede weak ones. Here no exponent is ever a difference: every decay
+factor is a product of per-token decays exp(g) <= 1 over one segment (`decay_factors`: within aligned
+blocks of 1, 2, 4, .., C rows; Γ and the decay to the chunk end are its top level), and the in-chunk
+scores are built by recursive halving, each lower-left quadrant factorised around its middle row into
+two such factors (`decay_scores`). Every exp argument is a single g <= 0: nothing overflows.
 
 Packed batches: every sequence is cut into its own chunks (the last one padded with zeros), so no
 chunk holds two sequences, and the padded tail has k = v = beta = g = 0, which leaves the state exactly
@@ -38,7 +42,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kda_impl.kernels.common import HIGHEST, finite_log_decay, initial_or_zeros, prepare_inputs, sequence_ids
 from kda_impl.kernels.validation import static_validate_inputs
@@ -187,127 +190,123 @@ def _chunk_packed(
     scale: float,
     chunk_size: int,
 ) -> tuple[jax.Array, jax.Array]:
+    """One `lax.scan` step per chunk: its rows are sliced from the packed inputs and the whole chunk is
+    computed there (`chunk_step`), so every temporary is one chunk's `[H, C, ...]`, cache-sized."""
     layout = chunk_layout(cu_seqlens, q.shape[0], chunk_size)
-    qc, kc, vc, gc, bc = (_to_chunks(x, layout) for x in (q, k, v, g, beta))
-    intra = intra_chunk(qc, kc, vc, gc, bc, scale)
+    # C zero rows after the last token: the window of a chunk that starts within C of the end stays
+    # inside the array (its rows past the sequence end are masked anyway).
+    padded = [jnp.pad(x, [(0, chunk_size)] + [(0, 0)] * (x.ndim - 1)) for x in (q, k, v, g, beta)]
 
-    def step(state, chunk):
-        u, w_k, k_to_end, decay_to_end, is_first, seq = chunk
+    def step(carry, chunk):
+        state, finals = carry
+        first_token, valid, is_first, seq, is_last = chunk
+        rows = [_chunk_rows(x, first_token, valid) for x in padded]
         start = jnp.where(is_first, init[seq], state)
-        new_values = u - jnp.einsum("hck,hkv->hcv", w_k, start, precision=HIGHEST)  # [H, C, V]
-        end = decay_to_end[..., None] * start + jnp.einsum(
-            "hck,hcv->hkv", k_to_end, new_values, precision=HIGHEST
-        )
-        return end, (start, new_values, end)
+        o, end = chunk_step(*rows, start, scale)
+        finals = finals.at[seq].set(jnp.where(is_last, end, finals[seq]))
+        return (end, finals), o
 
-    _, (starts, new_values, ends) = jax.lax.scan(
+    chunk_index = jnp.arange(layout.seq.shape[0], dtype=jnp.int32)
+    is_last = layout.nonempty[layout.seq] & (chunk_index == layout.last[layout.seq])
+    (_, finals), o_chunks = jax.lax.scan(
         step,
-        init[0],
-        (intra.u, intra.w_k, intra.k_to_end, intra.decay_to_end, layout.is_first, layout.seq),
-    )  # starts, ends: [NC, H, K, V] the state entering / leaving each chunk; new_values [NC, H, C, V]
-    o_chunks = jnp.einsum("nhck,nhkv->nhcv", intra.q_decayed, starts, precision=HIGHEST) + jnp.einsum(
-        "nhij,nhjv->nhiv", intra.a_qk, new_values, precision=HIGHEST
-    )  # [NC, H, C, V]
-    o = o_chunks[layout.slot, :, layout.row]  # [T, H, V]
-    finals = jnp.where(layout.nonempty[:, None, None, None], ends[layout.last], init)
-    return o, finals
+        (init[0], init),
+        (layout.token[:, 0], layout.valid, layout.is_first, layout.seq, is_last),
+    )  # o_chunks [NC, H, C, V]
+    rows = jnp.moveaxis(o_chunks, 1, 2).reshape(-1, *o_chunks.shape[1:2], o_chunks.shape[-1])  # [NC*C, H, V]
+    return rows[layout.slot * chunk_size + layout.row], finals
 
 
-@dataclasses.dataclass(frozen=True)
-class IntraChunk:
-    """The state-independent part of every chunk (see the module docstring), batched [NC, H, ...].
-
-    q_decayed:    [NC, H, C, K]  scale * q * Γ
-    a_qk:         [NC, H, C, C]  Aqk, lower triangle with the diagonal
-    u:            [NC, H, C, V]  (I + A)^-1 (beta v)
-    w_k:          [NC, H, C, K]  (I + A)^-1 (beta k Γ)
-    k_to_end:     [NC, H, C, K]  k * exp(G_C - G), each row decayed to the chunk end
-    decay_to_end: [NC, H, K]     Γ_C, the decay of the whole chunk
-    """
-
-    q_decayed: jax.Array
-    a_qk: jax.Array
-    u: jax.Array
-    w_k: jax.Array
-    k_to_end: jax.Array
-    decay_to_end: jax.Array
+def _chunk_rows(x: jax.Array, first_token: jax.Array, valid: jax.Array) -> jax.Array:
+    """One chunk's C rows of the zero-padded packed `x` [T + C, H, ...]: [H, C, ...], 0 where padded."""
+    size = valid.shape[0]
+    window = jax.lax.dynamic_slice_in_dim(x, first_token, size, axis=0)
+    return jnp.moveaxis(jnp.where(valid.reshape((size,) + (1,) * (x.ndim - 1)), window, 0), 0, 1)
 
 
-def intra_chunk(
-    q: jax.Array,  # [NC, H, C, K] fp32, l2-normalised
-    k: jax.Array,  # [NC, H, C, K]
-    v: jax.Array,  # [NC, H, C, V]
-    g: jax.Array,  # [NC, H, C, K]
-    beta: jax.Array,  # [NC, H, C]
+def chunk_step(
+    q: jax.Array,  # [H, C, K] fp32, l2-normalised
+    k: jax.Array,  # [H, C, K]
+    v: jax.Array,  # [H, C, V]
+    g: jax.Array,  # [H, C, K] log decay, floored (finite)
+    beta: jax.Array,  # [H, C]
+    start: jax.Array,  # [H, K, V] the state entering the chunk
     scale: float,
-) -> IntraChunk:
-    """All state-independent work of every chunk, batched over chunks and heads."""
-    size = g.shape[2]
-    rows = np.arange(size)
-    # Prefix sums from the chunk start and suffix sums to its end are sums of one segment each (no
-    # difference of two long sums): accurate whatever decays came before.
-    prefix = jnp.einsum(
-        "it,nhtk->nhik", jnp.asarray(rows[None, :] <= rows[:, None], g.dtype), g, precision=HIGHEST
-    )
-    to_end = jnp.einsum(
-        "it,nhtk->nhik", jnp.asarray(rows[None, :] > rows[:, None], g.dtype), g, precision=HIGHEST
-    )
-    a_qk, a_kk = decay_scores(q * scale, k, g)
-    a_kk = a_kk * beta[..., None]
-    decay = jnp.exp(prefix)  # Γ <= 1
-    rhs = jnp.concatenate([v, k * decay], axis=-1) * beta[..., None]
-    solved = jnp.einsum(
-        "nhij,nhjk->nhik", unit_lower_inverse(a_kk), rhs, precision=HIGHEST
-    )  # (I + A)^-1 [beta v | beta k Γ]
-    value_dim = v.shape[-1]
-    return IntraChunk(
-        q_decayed=q * decay * scale,
-        a_qk=a_qk,
-        u=solved[..., :value_dim],
-        w_k=solved[..., value_dim:],
-        k_to_end=k * jnp.exp(to_end),
-        decay_to_end=decay[:, :, -1, :],
-    )
-
-
-def _masked_row_sums(mask: np.ndarray, g: jax.Array) -> jax.Array:
-    """out[i] = sum_t mask[i, t] * g[t] along the chunk rows: [C, C] bool, [NC, H, C, K] → [NC, H, C, K]."""
-    return jnp.einsum("it,nhtk->nhik", jnp.asarray(mask, g.dtype), g, precision=HIGHEST)
-
-
-def decay_scores(
-    q: jax.Array,  # [NC, H, C, K]
-    k: jax.Array,  # [NC, H, C, K]
-    g: jax.Array,  # [NC, H, C, K] log decay per row, <= 0
 ) -> tuple[jax.Array, jax.Array]:
-    """qk[i, j] (j <= i) and kk[i, j] (j < i) of `sum_d x_i[d] k_j[d] exp(g_{j+1}[d] + ... + g_i[d])`.
+    """One chunk (see the module docstring): (o [H, C, V], the state leaving it [H, K, V])."""
+    size = g.shape[-2]
+    prefix, suffix = decay_factors(g)
+    a_qk, a_kk = decay_scores(q * scale, k, prefix, suffix)
+    t_inverse = unit_lower_inverse(a_kk * beta[..., None])  # (I + A)^-1
+    gamma, to_end = prefix[-1], suffix[-1]  # Γ = exp(G), exp(G_C - G)
+    # One product with the state for both uses: [beta k Γ ; scale q Γ] @ S.
+    rows = jnp.concatenate([k * gamma * beta[..., None], q * gamma * scale], axis=-2)  # [H, 2C, K]
+    through_state = jnp.einsum("hck,hkv->hcv", rows, start, precision=HIGHEST)
+    new_values = jnp.einsum(
+        "hij,hjv->hiv", t_inverse, v * beta[..., None] - through_state[:, :size], precision=HIGHEST
+    )  # w = (I + A)^-1 (beta v - beta k Γ S)
+    written = jnp.einsum("hck,hcv->hkv", k * to_end, new_values, precision=HIGHEST)
+    end = gamma[:, -1, :, None] * start + written
+    o = through_state[:, size:] + jnp.einsum("hij,hjv->hiv", a_qk, new_values, precision=HIGHEST)
+    return o, end
 
-    The lower triangle is built by recursive halving. A group of 2h rows splits at its middle row m;
-    every (i, j) with i in the lower half and j in the upper half is factorised around m:
-    `exp(g_{m+1} + .. + g_i) * exp(g_{j+1} + .. + g_m)`, both exponents one-segment sums <= 0, so
-    nothing overflows and nothing cancels. Each (i > j) falls in exactly one such quadrant; the
-    diagonal is q_i . k_i. Level h fills C/(2h) h x h quadrants per matrix: C*h*K multiply-adds for the
-    two, about C^2 K over the log2(C) levels (as a direct masked product). Returns two [NC, H, C, C].
+
+def decay_factors(g: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Per-channel decays within aligned row blocks of every size 1, 2, 4, .., C, as products of exp(g).
+
+    `prefix[l][i] = exp(g_b + .. + g_i)` and `suffix[l][i] = exp(g_{i+1} + .. + g_e)`, where [b, e] is
+    the aligned block of 2^l rows holding row i: one-segment decays, each <= 1. Level l+1 multiplies the
+    second half of each block by the first half's total (prefix) and the first half by the second
+    half's total (suffix): products of factors <= 1, no exponent difference, no overflow, a few ulp of
+    rounding. `prefix[-1]` is Γ (decay from the chunk start), `suffix[-1]` the decay to the chunk end.
+    Returns two lists of log2(C) + 1 arrays shaped like g.
     """
-    size, dim = k.shape[2:]
-    # blocks: [2, NC, H, groups, h, h] the qk and kk lower-triangular diagonal blocks, from h = 1.
-    rows = jnp.stack([q, k])  # [2, NC, H, C, K]
-    blocks = jnp.stack([jnp.sum(q * k, axis=-1), jnp.zeros(q.shape[:-1], q.dtype)])[..., None, None]
+    *lead, size, dim = g.shape
+    prefix, suffix = [jnp.exp(g)], [jnp.ones_like(g)]
     half = 1
     while half < size:
         groups = size // (2 * half)
-        grouped = lambda x: x.reshape(*x.shape[:-2], groups, 2 * half, dim)  # noqa: E731, B023
-        upper_g, lower_g = grouped(g)[..., :half, :], grouped(g)[..., half:, :]
-        # Row i of the lower half: g over (m, i]; column j of the upper half: g over (j, m].
-        row_factor = jnp.exp(jnp.cumsum(lower_g.at[..., 0, :].set(0.0), axis=-2))
-        to_middle = jnp.concatenate([upper_g[..., 1:, :], lower_g[..., :1, :]], axis=-2)
-        column_factor = jnp.exp(jax.lax.cumsum(to_middle, axis=to_middle.ndim - 2, reverse=True))
-        columns = grouped(k)[..., :half, :] * column_factor
-        lower_rows = grouped(rows)[..., half:, :] * row_factor
-        quadrant = jnp.einsum("xnhgik,nhgjk->xnhgij", lower_rows, columns, precision=HIGHEST)
-        blocks = _merge_blocks(blocks, quadrant)
+        pre = prefix[-1].reshape(*lead, groups, 2, half, dim)
+        suf = suffix[-1].reshape(*lead, groups, 2, half, dim)
+        first_total, second_total = pre[..., 0, -1:, :], pre[..., 1, -1:, :]
+        prefix.append(jnp.stack([pre[..., 0, :, :], pre[..., 1, :, :] * first_total], -3).reshape(g.shape))
+        suffix.append(jnp.stack([suf[..., 0, :, :] * second_total, suf[..., 1, :, :]], -3).reshape(g.shape))
         half *= 2
-    return blocks[0, :, :, 0], blocks[1, :, :, 0]
+    return prefix, suffix
+
+
+def decay_scores(
+    q: jax.Array,  # [..., C, K] (scaled)
+    k: jax.Array,  # [..., C, K]
+    prefix: list[jax.Array],  # decay_factors(g)
+    suffix: list[jax.Array],
+) -> tuple[jax.Array, jax.Array]:
+    """qk[i, j] (j <= i) and kk[i, j] (j < i) of `sum_d x_i[d] k_j[d] exp(g_{j+1}[d] + ... + g_i[d])`.
+
+    The lower triangle is built by recursive halving. A group of 2h rows splits after its middle row m;
+    every (i, j) with i in the lower half and j in the upper half is factorised around m:
+    `exp(g_{m+1} + .. + g_i) * exp(g_{j+1} + .. + g_m)` = `prefix[l][i] * suffix[l][j]` (h = 2^l), both
+    <= 1, so nothing overflows and nothing cancels. Each (i > j) falls in exactly one such quadrant; the
+    diagonal is q_i . k_i. Level h fills C/(2h) h x h quadrants per matrix, in one batched matmul for
+    the two matrices. Returns two [..., C, C].
+    """
+    size, dim = k.shape[-2:]
+    rows = jnp.stack([q, k])  # [2, ..., C, K]
+    diagonal = jnp.einsum("...k,...k->...", q, k, precision=HIGHEST)
+    blocks = jnp.stack([diagonal, jnp.zeros_like(diagonal)])[..., None, None]  # [2, ..., C, 1, 1]
+    half, level = 1, 0
+    while half < size:
+        groups = size // (2 * half)
+
+        def grouped(x: jax.Array, groups: int = groups, half: int = half) -> jax.Array:
+            return x.reshape(*x.shape[:-2], groups, 2 * half, dim)
+
+        lower_rows = grouped(rows)[..., half:, :] * grouped(prefix[level])[..., half:, :]
+        upper_columns = grouped(k)[..., :half, :] * grouped(suffix[level])[..., :half, :]
+        quadrant = jnp.einsum("x...gik,...gjk->x...gij", lower_rows, upper_columns, precision=HIGHEST)
+        blocks = _merge_blocks(blocks, quadrant)
+        half, level = 2 * half, level + 1
+    return blocks[0, ..., 0, :, :], blocks[1, ..., 0, :, :]
 
 
 def _merge_blocks(
@@ -320,22 +319,22 @@ def _merge_blocks(
     return jnp.concatenate([upper, jnp.concatenate([quadrant, bottom], axis=-1)], axis=-2)
 
 
-def unit_lower_inverse(a: jax.Array) -> jax.Array:  # a: [NC, H, C, C] strictly lower triangular
+def unit_lower_inverse(a: jax.Array) -> jax.Array:  # a: [..., C, C] strictly lower triangular
     """(I + a)^-1 by recursive halving: inv([[L1, 0], [B, L2]]) = [[L1^-1, 0], [-L2^-1 B L1^-1, L2^-1]].
 
     Block forward substitution (as fla's solve_tril), all in batched matmuls: no triangular_solve,
-    which is slow for many small systems on CPU and absent from Pallas TPU. Returns [NC, H, C, C].
+    which is slow for many small systems on CPU and absent from Pallas TPU. Returns [..., C, C].
     """
-    chunks, heads, size, _ = a.shape
-    inverse = jnp.ones((chunks, heads, size, 1, 1), a.dtype)  # the 1x1 diagonal blocks of I + a
+    *lead, size, _ = a.shape
+    inverse = jnp.ones((*lead, size, 1, 1), a.dtype)  # the 1x1 diagonal blocks of I + a
     half = 1
     while half < size:
         groups = size // (2 * half)
-        grouped = a.reshape(chunks, heads, groups, 2 * half, groups, 2 * half)
+        grouped = a.reshape(*lead, groups, 2 * half, groups, 2 * half)
         index = jnp.arange(groups)
-        lower_left = jnp.moveaxis(grouped[:, :, index, half:, index, :half], 0, 2)  # [NC, H, G, h, h]
-        top, bottom = inverse[:, :, 0::2], inverse[:, :, 1::2]
-        quadrant = -jnp.einsum("nhgij,nhgjk,nhgkl->nhgil", bottom, lower_left, top, precision=HIGHEST)
+        lower_left = jnp.moveaxis(grouped[..., index, half:, index, :half], 0, -3)  # [..., G, h, h]
+        top, bottom = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
+        quadrant = -jnp.einsum("...gij,...gjk,...gkl->...gil", bottom, lower_left, top, precision=HIGHEST)
         inverse = _merge_blocks(inverse, quadrant)
         half *= 2
-    return inverse[:, :, 0]
+    return inverse[..., 0, :, :]

@@ -4,6 +4,12 @@ Slot contract (`kda_impl.kernels.slots`, shared with the Pallas decode): slot 0 
 dummy slot of padding rows, which may repeat it; every other row is a real request on its own slot
 1..S-1. Outside `jit` any other index is refused (ValueError naming it and the buffer size); inside `jit`
 an out-of-range or repeated non-dummy index is routed to the dummy slot, so it never aliases a real slot.
+
+Layout of the work: one `fori_loop` over the B rows and their blocks of heads, each reading its slot's
+`[hb, K, V]` states with a dynamic slice, stepping them and writing them back with a dynamic update
+slice into the loop-carried buffer. XLA updates a loop-carried buffer in place, so a donated state
+buffer is never copied, and no `[B, H, K, V]` gather or scatter temporary exists: only one block of
+states (256 KiB at most) is live at a time, and it stays in cache between its read and its write.
 """
 
 from __future__ import annotations
@@ -11,9 +17,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from kda_impl.kernels.common import prepare_inputs
-from kda_impl.kernels.naive_recurrent import recurrent_step
 from kda_impl.kernels.slots import (
     as_int_array,
     check_integer_indices,
@@ -39,8 +45,8 @@ def decode_kda_slots(
     """One recurrence step per request on its own slot's state.
 
     With `layer_index`, `state_buffer` is the whole pool and only `[layer_index, slot_indices]` is
-    read and written. Gathers the B states, steps them and scatters them back; the other slots are
-    untouched. Returns `(o [B, H, V] in q's dtype, the updated state_buffer)`.
+    read and written. Steps the B slots one after another in place (see `step_slots_in_place`); the
+    other slots are untouched. Returns `(o [B, H, V] in q's dtype, the updated state_buffer)`.
 
     Slot 0 is the dummy slot: padding rows may all use it (what it holds afterwards is unspecified).
     Concrete `slot_indices` outside 0..S-1 or repeating a real slot are refused; traced ones (under
@@ -52,10 +58,66 @@ def decode_kda_slots(
     slots = route_unsafe_slots_to_dummy(slot_indices, pool.shape[1])
     out_dtype = q.dtype
     q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    states = pool[layer, slots].astype(jnp.float32)
-    states, o = recurrent_step(states, q * scale, k, v, g, beta)
-    pool = pool.at[layer, slots].set(states.astype(pool.dtype))
+    o, pool = step_slots_in_place(pool, jnp.asarray(layer, jnp.int32), slots, q * scale, k, v, g, beta)
     return o.astype(out_dtype), (pool[0] if layer_index is None else pool)
+
+
+STATE_BLOCK_BYTES = 256 * 1024  # the states one loop step reads and writes back: they stay in L2 meanwhile
+
+
+def heads_per_step(heads: int, key_dim: int, value_dim: int) -> int:
+    """The most heads (a divisor of H, at least 1) whose fp32 states fit in `STATE_BLOCK_BYTES`."""
+    head_bytes = key_dim * value_dim * 4
+    fitting = [hb for hb in range(1, heads + 1) if heads % hb == 0 and hb * head_bytes <= STATE_BLOCK_BYTES]
+    return max(fitting, default=1)
+
+
+def step_slots_in_place(
+    pool: jax.Array,  # [L, S, H, K, V]
+    layer: jax.Array,  # i32[] the layer of the pool to step
+    slots: jax.Array,  # i32[B] routed: each in 0..S-1, real ones distinct
+    q: jax.Array,  # [B, H, K] fp32, already scaled
+    k: jax.Array,  # [B, H, K] fp32
+    v: jax.Array,  # [B, H, V] fp32
+    g: jax.Array,  # [B, H, K] fp32 log decay
+    beta: jax.Array,  # [B, H] fp32
+) -> tuple[jax.Array, jax.Array]:
+    """One recurrence step of each row on `pool[layer, slots[row]]`; returns (o [B, H, V] fp32, pool).
+
+    The step of `recurrent_step` (`S = S exp(g)`, `S += beta k (v - k S)^T`, `o = q S`), rewritten to
+    read the old state S once for both products: with `d = exp(g)`,
+
+        k (S d) = (k d) S,    q S_new = (q d) S + (q . k) delta,    delta = beta (v - (k d) S),
+
+    so a block of hb heads (`heads_per_step`) is read by one `[hb, 2, K] x [hb, K, V]` product, then
+    rewritten once as `S d + k delta^T` while still in cache. The loop visits (row, head block) in order,
+    so padding rows sharing the dummy slot step it one after another.
+    """
+    batch, heads, key_dim = q.shape
+    hb = heads_per_step(heads, key_dim, v.shape[-1])
+    blocks = heads // hb
+
+    def by_block(x: jax.Array) -> jax.Array:  # [B, H, ...] -> [B * blocks, hb, ...]
+        return x.reshape(batch * blocks, hb, *x.shape[2:])
+
+    decay = jnp.exp(g)
+    readers = by_block(jnp.stack([q * decay, k * decay], axis=2))  # [., hb, 2, K]: the reads of old S
+    q_dot_k, k, v, decay, beta = map(by_block, (jnp.sum(q * k, axis=-1), k, v, decay, beta))
+    block_shape = (1, 1, hb, *pool.shape[3:])
+
+    def step_block(i: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        pool, o = carry
+        start = (layer, slots[i // blocks], (i % blocks) * hb, 0, 0)
+        state = lax.dynamic_slice(pool, start, block_shape)[0, 0].astype(jnp.float32)  # [hb, K, V]
+        read = jnp.sum(readers[i][:, :, :, None] * state[:, None], axis=2)  # [hb, 2, V]
+        delta = beta[i][:, None] * (v[i] - read[:, 1])  # [hb, V]
+        o = lax.dynamic_update_index_in_dim(o, read[:, 0] + q_dot_k[i][:, None] * delta, i, 0)
+        state = state * decay[i][:, :, None] + k[i][:, :, None] * delta[:, None, :]
+        pool = lax.dynamic_update_slice(pool, state.astype(pool.dtype)[None, None], start)
+        return pool, o
+
+    pool, o = lax.fori_loop(0, batch * blocks, step_block, (pool, jnp.zeros(v.shape, jnp.float32)))
+    return o.reshape(batch, heads, -1), pool
 
 
 def as_layered_pool(state_buffer: jax.Array, layer_index: int | jax.Array | None) -> jax.Array:

@@ -3,10 +3,12 @@
 Forward of one packed batch `x [T, hidden]` (docs: the kda-layer spec, steps 1-9):
 projections → q|k|v short conv with per-request state + silu → l2norm(q, k) → decay gate g and beta
 (fp32) → the recurrence through `RadixLinearAttention` and the backend → gated RMSNorm per head (fp32) →
-o_proj. In a bf16 run the weights and activations are bf16 except A_log / dt_bias, and the casts sit
-where transformers' `KimiLinearDeltaAttention` puts them: conv in the weight dtype, the kernel in fp32
-with its output cast to bf16, the output norm in fp32 cast to bf16. One exception: beta is
-`sigmoid` in fp32, as the spec and the serving stacks have it (transformers rounds it to bf16).
+o_proj. In a bf16 run the weights and activations are bf16 except A_log / dt_bias, and a value is rounded
+to bf16 exactly where the hub's layer (`modeling_kimi.py` on fla's kernels, the RFC's ground truth)
+stores one, each through `_rounded`: every projection's output, the short conv once after its silu, the
+kernel's output, the output norm's, o_proj's. In between, fp32: the conv's sum and silu, the gate g,
+beta's sigmoid, l2norm, the kernel, the norm. docs/bf16-rounding.md lists every point beside what the
+hub and transformers' port do there, with the float64 measurements behind each choice.
 
 Parallelism (docs/parallelism.md): the forward always runs under `jax.shard_map` over the layer's mesh
 (axes `data` and `tensor`, `kda_impl.parallel.make_mesh`; without one, the 1 x 1 mesh of the first
@@ -206,13 +208,18 @@ class KimiDeltaAttention(nnx.Module):
         """The forward on one device: its data rank's tokens through its tensor rank's heads."""
         tokens = hidden_states.shape[0]
         heads, dim = self.attn.num_heads, self.config.head_dim
-        x = hidden_states.astype(self.dtype)
+        x = self._rounded(hidden_states)
 
-        mixed_qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)  # [T, 3P]
+        mixed_qkv = self._rounded(
+            jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+        )  # [T, 3P]
         conv_weight = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=-1)
-        conv_out, new_conv_state = self.attn.short_conv(forward_batch, mixed_qkv, conv_weight, pool)
-        qkv = jax.nn.silu(self._rounded(conv_out).astype(jnp.float32)).astype(self.dtype)
-        qkv = qkv.reshape(tokens, 3, heads, dim)
+        # fla's fused short conv with silu (the hub's): the conv summed in fp32 from the rounded projections,
+        # silu in fp32, one rounding. fp32 conv inputs are the rounded values exactly, so is the new state.
+        conv_out, new_conv_state = self.attn.short_conv(
+            forward_batch, mixed_qkv.astype(jnp.float32), conv_weight, pool
+        )
+        qkv = self._rounded(jax.nn.silu(conv_out)).reshape(tokens, 3, heads, dim)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # [T, H, D] each
 
         g = self._decay(x)  # [T, H, D] fp32
@@ -220,10 +227,10 @@ class KimiDeltaAttention(nnx.Module):
         o, pool = self.attn(
             forward_batch, l2norm(q), l2norm(k), v.astype(jnp.float32), g, beta, new_conv_state, pool
         )
-        o = self._rounded(o.astype(self.dtype))  # [T, H, D]
+        o = self._rounded(o)  # [T, H, D]
 
-        g_out = self._rounded(self.g_b_proj(self.g_a_proj(x))).reshape(tokens, heads, dim)
-        o_norm = self.o_norm(o, g_out)
+        g_out = self._rounded(self.g_b_proj(self._rounded(self.g_a_proj(x)))).reshape(tokens, heads, dim)
+        o_norm = self._rounded(self.o_norm(o, g_out))
         # Row-parallel o_proj: this rank's heads times their rows of the kernel, summed over the ranks
         # in fp32 and rounded once.
         partial = jnp.dot(
@@ -232,7 +239,7 @@ class KimiDeltaAttention(nnx.Module):
             precision=HIGHEST,
             preferred_element_type=jnp.float32,
         )
-        out = jax.lax.psum(partial, TENSOR_AXIS).astype(self.dtype)
+        out = self._rounded(jax.lax.psum(partial, TENSOR_AXIS))
         if not return_intermediates:
             return out, pool
         intermediates = {
@@ -252,23 +259,28 @@ class KimiDeltaAttention(nnx.Module):
     ) -> jax.Array:
         """Per-channel log decay `g = -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias)`: `[T, H, D]` fp32."""
         heads, dim = self.attn.num_heads, self.config.head_dim
-        f = self._rounded(self.f_b_proj(self.f_a_proj(x))).astype(jnp.float32).reshape(-1, heads, dim)
+        f = self._rounded(self.f_b_proj(self._rounded(self.f_a_proj(x)))).astype(jnp.float32)
+        f = f.reshape(-1, heads, dim)
         return kda_gate(f, self.A_log[...][:, None], self.dt_bias[...])
 
     def _beta(self, x: jax.Array) -> jax.Array:
-        """`beta = sigmoid(b_proj(x))` in fp32 (from the projection rounded to the run dtype): `[T, H]`."""
+        """`beta = sigmoid(b_proj(x))`, the sigmoid in fp32 on the projection rounded to the run dtype (the
+        hub's `b_proj(x).float().sigmoid()`; transformers rounds the sigmoid to bf16 too): `[T, H]` fp32."""
         return jax.nn.sigmoid(self._rounded(self.b_proj(x)).astype(jnp.float32))
 
     def _rounded(self, x: jax.Array) -> jax.Array:
-        """`x` rounded to the run dtype for real, where the reference stores it before upcasting.
+        """`x` rounded to the run dtype, in the run dtype: one of the layer's bf16 rounding points.
 
-        XLA may keep a bf16 intermediate in fp32 when an fp32 op consumes it (excess precision);
-        `reduce_precision` pins the rounding the torch reference does. A no-op in fp32 runs.
+        XLA may compute a bf16 op in fp32 and drop the f32 → bf16 → f32 convert pair when an fp32 op
+        consumes its result (excess precision); `reduce_precision` on the fp32 value is a rounding XLA
+        keeps. In fp32 runs a plain cast to fp32.
         """
         info = jnp.finfo(self.dtype)
         if info.bits == 32:
-            return x
-        return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+            return x.astype(self.dtype)
+        wide = x.astype(jnp.float32)
+        rounded = jax.lax.reduce_precision(wide, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+        return rounded.astype(self.dtype)
 
     def _check_inputs(
         self,

@@ -2,13 +2,13 @@
 
 Each adapter changes one thing of the built-in `KDAImplAdapter` and keeps the rest of its serving
 path: the decay gate's sign, beta's sigmoid computed in bf16, the conv's respect for sequence
-boundaries, the conv state carried into decode, or the output by 1e-4. The first three swap a class
+boundaries, the conv state carried into decode, or the output by 1e-4. The beta and conv-state defects
+are `conformance.defects`' (which `python -m conformance power` injects too). The first three swap a class
 the adapter builds its layer from.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from unittest import mock
 
 import jax
@@ -18,6 +18,7 @@ import numpy as np
 import kda_impl.weights
 from conformance.adapters import kda_impl_adapter
 from conformance.adapters.kda_impl_adapter import KDACarry, KDAImplAdapter
+from conformance.defects import BetaSigmoidInRunDtype, without_conv_state
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.layers.short_conv import short_conv_with_state
 from kda_impl.models.kimi_linear import KimiDeltaAttention
@@ -37,16 +38,11 @@ class FlippedGate(KDAImplAdapter):
             super().__init__(config, weights, dtype, kernel, options=options)
 
 
-class _BetaInBf16(KimiDeltaAttention):
-    def _beta(self, x: jax.Array) -> jax.Array:
-        return jax.nn.sigmoid(self._rounded(self.b_proj(x))).astype(jnp.float32)
-
-
 class BetaInBf16(KDAImplAdapter):
     name = "broken: beta's sigmoid in the run dtype (bf16), not fp32"
 
     def __init__(self, config, weights, dtype, kernel="auto", *, options=None):
-        with mock.patch.object(kda_impl.weights, "KimiDeltaAttention", _BetaInBf16):
+        with mock.patch.object(kda_impl.weights, "KimiDeltaAttention", BetaSigmoidInRunDtype):
             super().__init__(config, weights, dtype, kernel, options=options)
 
 
@@ -76,9 +72,7 @@ class DecodeDropsConvState(KDAImplAdapter):
     name = "broken: decode forgets the conv state"
 
     def layer_decode(self, hidden_states: np.ndarray, carry: KDACarry):
-        return super().layer_decode(
-            hidden_states, dataclasses.replace(carry, conv=jnp.zeros_like(carry.conv))
-        )
+        return super().layer_decode(hidden_states, without_conv_state(carry))
 
 
 class OutputOffset(KDAImplAdapter):

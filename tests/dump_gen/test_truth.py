@@ -15,7 +15,6 @@ import torch
 
 from conformance.reader import DumpError, DumpSet
 from dump_gen.cli import main
-from dump_gen.generate import bf16_rounded, run_weights
 from dump_gen.inputs import case_inputs
 from dump_gen.references.transformers_layer import TransformersReference
 from dump_gen.storage import npz_bytes
@@ -23,7 +22,16 @@ from dump_gen.weights import synthetic_weights
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig, get_preset
 from kda_spec.dump_format import CASES_BY_ID
-from kda_spec.truth import IMPLEMENTATION, delta_rule, l2_normalised, layer_truth, sigmoid, softplus
+from kda_spec.truth import (
+    IMPLEMENTATION,
+    bf16_rounded,
+    delta_rule,
+    l2_normalised,
+    layer_truth,
+    run_weights,
+    sigmoid,
+    softplus,
+)
 from tests.dump_gen.conftest import CASES, TINY
 from tests.dump_gen.validate import read_manifest, read_npz
 

@@ -246,9 +246,12 @@ class _ChunkHook:
         return out, (final if output_final_state else None)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def torch_reference() -> Iterator[Callable[[str, str], TorchReference]]:
-    """`torch_reference(config_name, dtype_name)`: transformers' layer with the runners' weights (seed 0)."""
+    """`torch_reference(config_name, dtype_name)`: transformers' layer with the runners' weights (seed 0).
+
+    Module-scoped: transformers' module functions are patched only while one test file runs, so the
+    files that run after it in the same (xdist) worker, e.g. dump_gen's, see transformers unpatched."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import torch

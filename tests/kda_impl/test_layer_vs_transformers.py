@@ -1,8 +1,9 @@
 """KimiDeltaAttention through the serving path against transformers' `KimiLinearDeltaAttention`.
 
-fp32 must agree at atol = rtol = 1e-5 (RFC §2.3). bf16 is held to the project's bf16 gate
-(tolerance-policy: element-wise 1e-2 + 1e-2|b| and normalised RMSE <= 5e-3) against the same transformers
-layer run in bf16; the RFC's element-wise 1e-3 verdict is printed, never asserted.
+fp32 must agree at atol = rtol = 1e-5 (RFC §2.3). bf16 is judged against the float64 truth of the bf16
+run beside the same transformers layer run in bf16 (the two round at different points), and held to the
+bf16 element-wise gate 1e-2 + 1e-2|b| against it; the RFC's element-wise 1e-3 verdict is printed, never
+asserted.
 """
 
 from __future__ import annotations
@@ -11,12 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conformance.metrics import error_vs_truth, excess
+from conformance.tolerances import TolerancePolicy
 from dump_gen.weights import synthetic_weights
 from kda_impl.kernels.common import softplus
+from kda_spec.truth import layer_truth, run_weights
 from tests.kda_impl.conftest import CONFIGS, assert_close, random_states, random_tokens
 
 SINGLE_LENGTHS = (1, 65, 200)
 PACKED_LENGTHS = (5, 65, 1, 120, 17)
+POLICY = TolerancePolicy.load()
 
 
 @pytest.mark.torch
@@ -51,19 +56,28 @@ def test_fp32_packed_batch_with_initial_states(config_name, runner_for, torch_re
     assert_close(runner.states(slots)[0], expected_states)
 
 
+def _nrmse(actual: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+
+
 def _bf16_verdicts(actual: np.ndarray, expected: np.ndarray) -> dict[str, float]:
     diff = np.abs(actual.astype(np.float64) - expected)
     rfc_ratio = diff / (1e-3 + 1e-3 * np.abs(expected))
     return {
         "gate_worst_ratio": float(np.max(diff / (1e-2 + 1e-2 * np.abs(expected)))),
-        "normalised_rmse": float(np.linalg.norm(actual - expected) / np.linalg.norm(expected)),
+        "normalised_rmse": _nrmse(actual, expected),
         "rfc_1e-3_share_outside": float(np.mean(rfc_ratio > 1)),
         "rfc_1e-3_worst_ratio": float(np.max(rfc_ratio)),
     }
 
 
 @pytest.mark.torch
-def test_bf16_meets_the_bf16_gate_against_transformers_bf16(runner_for, torch_reference):
+def test_bf16_is_no_further_from_the_float64_truth_than_transformers_bf16(runner_for, torch_reference):
+    """The two bf16 layers round at different points (docs/bf16-rounding.md: kda_impl follows the hub's
+    fla kernels, e.g. one rounding after the short conv's silu), so each is judged against the float64
+    truth of the bf16 run: kda_impl's normalised RMSE is no larger than transformers', for the output
+    and the final states, and it passes the suite's relative bf16 gate (conformance/tolerances.toml)
+    against transformers. The element-wise and RFC 1e-3 verdicts against transformers are printed."""
     runner, reference = runner_for("mini", "bf16"), torch_reference("mini", "bf16")
     rng = np.random.default_rng(3)
     # The inputs are bf16-representable so both sides start from the same values.
@@ -73,17 +87,28 @@ def test_bf16_meets_the_bf16_gate_against_transformers_bf16(runner_for, torch_re
     runner.write_recurrent(slots, initial)
     out = np.concatenate(runner.extend(xs, slots).outs)
     expected_outs, expected_states = reference.prefill_packed(xs, initial)
-    expected = np.concatenate(expected_outs)
+    cu_seqlens = np.cumsum([0, *(len(x) for x in xs)])
+    weights = run_weights(synthetic_weights(runner.config, seed=0), "bf16")
+    truth = layer_truth(weights, np.concatenate(xs), cu_seqlens, initial, runner.config)
 
-    for name, actual, wanted in (
-        ("out", out, expected),
-        ("final_state", runner.states(slots)[0], expected_states),
+    for name, actual, wanted, true in (
+        ("out", out, np.concatenate(expected_outs), truth["out"]),
+        ("final_state", runner.states(slots)[0], expected_states, truth["recurrent_state"]),
     ):
         verdicts = _bf16_verdicts(actual, wanted)
-        print(f"bf16 {name}: " + ", ".join(f"{key}={value:.3g}" for key, value in verdicts.items()))
+        impl_error, reference_error = _nrmse(actual, true), _nrmse(wanted, true)
+        print(
+            f"bf16 {name}: vs truth kda_impl {impl_error:.3g}, transformers {reference_error:.3g}; "
+            + ", ".join(f"{key}={value:.3g}" for key, value in verdicts.items())
+        )
         assert np.all(np.isfinite(actual))
-        assert verdicts["gate_worst_ratio"] <= 1.0, verdicts
-        assert verdicts["normalised_rmse"] <= 5e-3, verdicts
+        assert impl_error <= reference_error, (name, impl_error, reference_error)
+        tolerance = POLICY.tolerance("layer", "bf16")
+        impl_side, reference_side = (
+            error_vs_truth(actual, true, tolerance),
+            error_vs_truth(wanted, true, tolerance),
+        )
+        assert excess(impl_side, reference_side, POLICY.relative["bf16"]) == [], (impl_side, reference_side)
 
 
 def test_softplus_is_exact_above_the_threshold():

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda_impl.kernels import chunk_kda, decode_kda_slots, resolve_kernel
+from kda_impl.kernels import chunk_kda, decode_kda_slots, kernel_choice
 from kda_impl.kernels.slots import as_int_array, check_request_slots
 from kda_impl.layers.short_conv import short_conv_with_state
 from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
@@ -267,8 +267,9 @@ class KDAAttnBackend(LinearRecurrentAttnBackend):
 
     @property
     def kernel_used(self) -> str:
-        """The implementation the kernels resolve to: 'naive' or 'pallas'."""
-        return resolve_kernel(self.kernel)
+        """The implementation the kernels resolve to: 'naive' or 'pallas', and under `auto` the shapes at
+        which Pallas did not lower and plain JAX ran (`kda_impl.kernels.kernel_choice`)."""
+        return kernel_choice(self.kernel)
 
     def _static_config(self) -> tuple[Any, ...]:
         return (self.kernel,)

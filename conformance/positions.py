@@ -1,0 +1,273 @@
+"""Error against the float64 truth as a function of position, for the long cases (group `long`).
+
+A long case's output (one prefill, or a prefill then token-by-token decode steps) is cut into windows of
+`WINDOW_TOKENS` tokens; in each, the implementation's and the reference's own errors against the float64
+truth are measured (worst and RMS absolute error, and the margin and nRMSE the relative gate uses), and
+the relative gate (docs/tolerance-policy.md, "The relative gate") is applied window by window, with the
+policy's `[relative.<dtype>]` numbers: a check holds when every window does. `write_files` puts the
+curves beside report.md as positions.json, positions.csv and, with matplotlib, positions.png.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from conformance.metrics import Attribution, Comparison, error_vs_truth, judge
+from conformance.tolerances import RelativeLimits, Tolerance
+
+WINDOW_TOKENS = 256
+# The checks of a long case that measure the error by position: the prefill's output, or the output of
+# a prefill followed by `decode_steps` decode steps (its rows from the prefill, then the decoded ones).
+LAYER_POSITIONS = "layer-positions"
+DECODE_POSITIONS = "decode-positions"
+POSITION_CHECKS = (LAYER_POSITIONS, DECODE_POSITIONS)
+# The gate of a position check is always the relative one, window by window: over tens of thousands of
+# tokens the question is whether the implementation drifts from the truth faster than the reference.
+POSITIONS_MODE = "relative"
+JSON_FILE, CSV_FILE, PNG_FILE = "positions.json", "positions.csv", "positions.png"
+POSITION_FILES = (JSON_FILE, CSV_FILE, PNG_FILE)
+CSV_COLUMNS = (
+    "case",
+    "dtype",
+    "check",
+    "window_start",
+    "window_end",
+    "phase",
+    "impl_worst",
+    "impl_rms",
+    "reference_worst",
+    "reference_rms",
+    "impl_margin",
+    "reference_margin",
+    "impl_nrmse",
+    "reference_nrmse",
+    "relative_ratio",
+    "passed",
+    "verdict",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """One window of tokens `[start, end)`: both sides' errors against the truth, and the gate on them."""
+
+    start: int
+    end: int
+    impl_rms: float
+    reference_rms: float
+    attribution: Attribution
+
+    @property
+    def passed(self) -> bool:
+        return not self.attribution.relative_failures
+
+    def row(self, decode_from: int | None) -> dict[str, Any]:
+        a = self.attribution
+        return {
+            "window_start": self.start,
+            "window_end": self.end,
+            "phase": "decode" if decode_from is not None and self.start >= decode_from else "prefill",
+            "impl_worst": a.impl.max_abs,
+            "impl_rms": self.impl_rms,
+            "reference_worst": a.reference.max_abs,
+            "reference_rms": self.reference_rms,
+            "impl_margin": a.impl.margin,
+            "reference_margin": a.reference.margin,
+            "impl_nrmse": a.impl.nrmse,
+            "reference_nrmse": a.reference.nrmse,
+            "relative_ratio": a.relative_ratio,
+            "passed": self.passed,
+            "verdict": a.verdict,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionProfile:
+    """The windows of one long case's output in one dtype; `decode_from`: the first decoded token."""
+
+    case_id: str
+    dtype: str
+    check: str
+    window_tokens: int
+    decode_from: int | None
+    windows: tuple[Window, ...]
+
+    @property
+    def worst(self) -> Window:
+        """The window furthest over (or nearest to) the relative gate's limit."""
+        return max(self.windows, key=lambda w: np.nan_to_num(w.attribution.relative_ratio, nan=np.inf))
+
+    @property
+    def failed(self) -> list[Window]:
+        return [window for window in self.windows if not window.passed]
+
+    def rows(self) -> list[dict[str, Any]]:
+        ids = {"case": self.case_id, "dtype": self.dtype, "check": self.check}
+        return [{**ids, **window.row(self.decode_from)} for window in self.windows]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "case": self.case_id,
+            "dtype": self.dtype,
+            "check": self.check,
+            "window_tokens": self.window_tokens,
+            "decode_from": self.decode_from,
+            "limits": self.windows[0].attribution.limits.as_dict(),
+            "passed": not self.failed,
+            "windows": [window.row(self.decode_from) for window in self.windows],
+        }
+
+
+def window_bounds(tokens: int, window_tokens: int) -> list[tuple[int, int]]:
+    """`[start, end)` of consecutive windows of `window_tokens` tokens; the last may be shorter."""
+    if window_tokens < 1:
+        raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
+    return [(start, min(start + window_tokens, tokens)) for start in range(0, tokens, window_tokens)]
+
+
+def _rms(x: np.ndarray, truth: np.ndarray) -> float:
+    error = np.where(np.isfinite(x), x - truth, np.inf)
+    return float(np.sqrt(np.mean(error * error)))
+
+
+def position_profile(
+    actual: np.ndarray,
+    expected: np.ndarray,
+    truth: np.ndarray,
+    tolerance: Tolerance,
+    limits: RelativeLimits,
+    *,
+    case_id: str,
+    dtype: str,
+    check: str,
+    decode_from: int | None = None,
+    window_tokens: int = WINDOW_TOKENS,
+) -> PositionProfile:
+    """`actual` (the implementation's output [T, hidden]) and `expected` (the reference's) against their
+    float64 `truth`, window by window of tokens (rows). A window is `apart` when the two sides differ by
+    more than `tolerance` in it, as a whole check is (`metrics.attribute`)."""
+    a, b, t = (np.asarray(x, np.float64) for x in (actual, expected, truth))
+    if not a.shape == b.shape == t.shape or a.ndim < 1:
+        raise ValueError(
+            f"case {case_id} ({dtype}) {check}: result {a.shape}, reference {b.shape} and truth {t.shape} "
+            "must have one shape with a token axis first"
+        )
+    windows = []
+    for start, end in window_bounds(a.shape[0], window_tokens):
+        rows = slice(start, end)
+        limit = tolerance.atol + tolerance.rtol * np.abs(b[rows])
+        apart = bool(np.any(~(np.abs(a[rows] - b[rows]) <= limit)))
+        attribution = Attribution(
+            source=f"out truth, tokens {start}-{end}",
+            impl=error_vs_truth(a[rows], t[rows], tolerance),
+            reference=error_vs_truth(b[rows], t[rows], tolerance),
+            limits=limits,
+            apart=apart,
+        )
+        windows.append(Window(start, end, _rms(a[rows], t[rows]), _rms(b[rows], t[rows]), attribution))
+    return PositionProfile(case_id, dtype, check, window_tokens, decode_from, tuple(windows))
+
+
+def judge_by_windows(comparison: Comparison, profile: PositionProfile, source: str) -> Comparison:
+    """Decide `comparison` (the whole output against the reference) by the relative gate of every window:
+    it records the worst window's attribution, and fails naming each window over the limit."""
+    worst = profile.worst
+    attribution = dataclasses.replace(
+        worst.attribution,
+        source=f"{source}, tokens {worst.start}-{worst.end}: the worst of {len(profile.windows)} windows",
+    )
+    judge(comparison, POSITIONS_MODE, attribution)
+    failed = profile.failed
+    if failed and comparison.usable:
+        where = ", ".join(f"{w.start}-{w.end}" for w in failed[:8]) + (" …" if len(failed) > 8 else "")
+        comparison.failures = [
+            f"{len(failed)} of {len(profile.windows)} windows of {profile.window_tokens} tokens over the "
+            f"relative gate (tokens {where}); the worst, {worst.start}-{worst.end}: {reason}"
+            for reason in comparison.failures
+        ]
+    return comparison
+
+
+# ------------------------------------------------------------------------------------------- files
+
+
+def write_files(profiles: list[PositionProfile], folder: Path) -> list[str]:
+    """positions.json, positions.csv and (with matplotlib) positions.png in `folder`; returns the lines
+    of report.md's section on them (none without profiles)."""
+    if not profiles:
+        return []
+    payload = {"window_tokens": profiles[0].window_tokens, "profiles": [p.as_dict() for p in profiles]}
+    (folder / JSON_FILE).write_text(json.dumps(payload, indent=1, allow_nan=True) + "\n")
+    with (folder / CSV_FILE).open("w", newline="") as stream:
+        writer = csv.DictWriter(stream, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        for profile in profiles:
+            writer.writerows(profile.rows())
+    if importlib.util.find_spec("matplotlib") is None:
+        picture = f"matplotlib is not installed (`pip install 'kda-conformance[png]'`): no {PNG_FILE}."
+    else:
+        draw(profiles, folder / PNG_FILE)
+        picture = f"![error by position]({PNG_FILE})"
+    return markdown_lines(profiles, picture)
+
+
+def markdown_lines(profiles: list[PositionProfile], picture: str) -> list[str]:
+    """report.md's section: each long case's first and last window, and the worst under the gate."""
+    lines = [
+        "",
+        "## Error by position (long cases)",
+        "",
+        f"Each side's error against the float64 truth per window of {profiles[0].window_tokens} tokens, "
+        f"gated window by window with the relative gate (every window in `{CSV_FILE}` / `{JSON_FILE}`).",
+        "",
+        "| case | dtype | windows over | first window: impl worst / RMS, reference worst / RMS "
+        "| last window: impl worst / RMS, reference worst / RMS | worst window (ratio to the gate) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for p in profiles:
+        first, last, worst = p.windows[0], p.windows[-1], p.worst
+        lines.append(
+            f"| {p.case_id} | {p.dtype} | {len(p.failed)} of {len(p.windows)} | {_errors(first)} | "
+            f"{_errors(last)} | {worst.start}-{worst.end} ({worst.attribution.relative_ratio:.3g}) |"
+        )
+    return [*lines, "", picture, ""]
+
+
+def _errors(window: Window) -> str:
+    a = window.attribution
+    impl = f"{a.impl.max_abs:.3g} / {window.impl_rms:.3g}"
+    return f"{impl}, {a.reference.max_abs:.3g} / {window.reference_rms:.3g}"
+
+
+def draw(profiles: list[PositionProfile], path: Path) -> None:
+    """One panel per long case and dtype: worst (solid) and RMS (dashed) error against the truth per
+    window, implementation and reference, on a log scale; a dotted line where decoding starts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(len(profiles), 1, figsize=(9, 3 * len(profiles)), squeeze=False)
+    for ax, p in zip(axes[:, 0], profiles):
+        centres = [(w.start + w.end) / 2 for w in p.windows]
+        for side, colour in (("impl", "tab:blue"), ("reference", "tab:orange")):
+            worst = [getattr(w.attribution, side).max_abs for w in p.windows]
+            rms = [w.impl_rms if side == "impl" else w.reference_rms for w in p.windows]
+            ax.plot(centres, worst, color=colour, label=f"{side} worst")
+            ax.plot(centres, rms, color=colour, linestyle="--", label=f"{side} RMS")
+        if p.decode_from is not None:
+            ax.axvline(p.decode_from, color="grey", linestyle=":", label="decode starts")
+        ax.set_yscale("log")
+        ax.set_title(f"{p.case_id} {p.dtype}: |error| vs float64 truth per {p.window_tokens} tokens")
+        ax.set_xlabel("token")
+        ax.legend(fontsize="small", ncol=3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

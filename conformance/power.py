@@ -1,0 +1,547 @@
+"""`python -m conformance power`: the smallest injected defect the suite catches (docs/tolerance-policy.md,
+"The suite's power").
+
+Each defect is injected into the built-in implementation (`conformance.defects.DefectiveKDAImpl`) and
+the suite's checks run in-process on a few cases that exercise it. A defect is *caught* under a policy
+when at least one of those checks fails under it: `default`, the policy file as it is (the relative gate
+where it decides), and `absolute`, the same file with every check judged by its absolute limits alone
+(today's gate: the RFC's 1e-5 in fp32, the measured 1e-2 + nRMSE gate in bf16).
+
+An ε-defect is searched on the decade grid 1e-7 … 1e-1 (upwards, until both policies catch it; a defect
+caught at ε is taken to be caught at every larger ε), then bisected `BISECT_STEPS` times in log space
+between the last grid point not caught and the first caught, each midpoint rounded to two significant
+digits: the result is within a factor 10^(1/8) ≈ 1.33 above the true threshold. A structural defect is
+caught or not. Before any defect, the unmodified implementation runs every check used (ε = 0): a
+check it fails there is reported (and the run misses its goals) and catches no defect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import fnmatch
+import math
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tabulate
+
+from conformance.checks import CheckRunner, CheckSkipped, CheckSpec, case_checks, group_of
+from conformance.defects import BetaSigmoidInRunDtype, DefectiveKDAImpl, Injection
+from conformance.output_files import check_writable_file
+from conformance.reader import DumpSet
+from conformance.report import format_text_table, write_json
+from conformance.tolerances import TolerancePolicy
+from kda_impl.models.kimi_linear import KimiDeltaAttention
+from kda_spec import dump_format as fmt
+
+POLICIES = ("default", "absolute")
+GRID = tuple(10.0**exponent for exponent in range(-7, 0))
+BISECT_STEPS = 3
+# The largest ε at which every ε-defect must be caught under the default policy (issue 10's goal for a
+# weight scaled by 1 + ε, applied to every ε-defect).
+GOALS = {"fp32": 1e-4, "bf16": 1e-2}
+REPORT_FILES = ("power.json", "power.md")
+
+
+@dataclasses.dataclass(frozen=True)
+class Defect:
+    """One injected defect: `inject(weights, ε)` (ε-defects) or `inject(weights, 1.0)` (structural)."""
+
+    id: str
+    description: str
+    structural: bool
+    inject: Callable[[Mapping[str, np.ndarray], float], Injection]
+    groups: frozenset[str]  # the check groups it can reach (conformance.checks.GROUPS)
+    preferred_cases: tuple[str, ...]
+    exercised_by: Callable[[tuple[int, ...]], bool]
+    layer_class: type[KimiDeltaAttention] = KimiDeltaAttention
+    dtypes: tuple[str, ...] = fmt.DTYPES
+
+
+_LAYER_GROUPS = frozenset({"layer", "intermediate", "decode", "chunked"})
+
+
+def _scaled(name: str) -> Callable[[Mapping[str, np.ndarray], float], Injection]:
+    def inject(weights: Mapping[str, np.ndarray], eps: float) -> Injection:
+        return Injection(weights={**weights, name: weights[name] * np.float32(1 + eps)})
+
+    return inject
+
+
+def _shifted(name: str) -> Callable[[Mapping[str, np.ndarray], float], Injection]:
+    def inject(weights: Mapping[str, np.ndarray], eps: float) -> Injection:
+        return Injection(weights={**weights, name: weights[name] + np.float32(eps)})
+
+    return inject
+
+
+def _any_case(seq_lens: tuple[int, ...]) -> bool:
+    return True
+
+
+def defects(weight_names: list[str]) -> list[Defect]:
+    """Every defect the command knows, the weight scales in the dump's order of `weight_names`."""
+    found = [
+        Defect(
+            id=f"scale:{name}",
+            description=f"`{name}` scaled by 1 + ε",
+            structural=False,
+            inject=_scaled(name),
+            groups=_LAYER_GROUPS,
+            preferred_cases=("T65",),
+            exercised_by=_any_case,
+        )
+        for name in weight_names
+    ]
+    found += [
+        Defect(
+            id="shift:A_log",
+            description="the gate's `A_log` shifted by ε",
+            structural=False,
+            inject=_shifted("A_log"),
+            groups=_LAYER_GROUPS,
+            preferred_cases=("T65",),
+            exercised_by=_any_case,
+        ),
+        Defect(
+            id="leak:state",
+            description="packed prefill: each sequence starts from its initial state + ε × the previous "
+            "sequence's final state",
+            structural=False,
+            inject=lambda weights, eps: Injection(state_leak=eps),
+            groups=_LAYER_GROUPS | {"kernel"},
+            preferred_cases=("varlen_initstate", "varlen_balanced_4x32"),
+            exercised_by=lambda seq_lens: len(seq_lens) >= 2,
+        ),
+        Defect(
+            id="drop:decode-conv",
+            description="decode drops the conv state",
+            structural=True,
+            inject=lambda weights, eps: Injection(drop_decode_conv=True),
+            groups=frozenset({"decode"}),
+            preferred_cases=("T65", "varlen_initstate"),
+            exercised_by=lambda seq_lens: max(seq_lens) >= 2,
+        ),
+        Defect(
+            id="round:beta-sigmoid",
+            description="one bf16 rounding moved: beta's sigmoid in bf16, not fp32",
+            structural=True,
+            inject=lambda weights, eps: Injection(),
+            groups=_LAYER_GROUPS,
+            preferred_cases=("T65",),
+            exercised_by=_any_case,
+            layer_class=BetaSigmoidInRunDtype,
+            dtypes=("bf16",),
+        ),
+    ]
+    return found
+
+
+def select_defects(all_defects: list[Defect], patterns: list[str] | None) -> list[Defect]:
+    """The defects whose id matches one of `patterns` (fnmatch; all when None); ValueError if none does."""
+    if not patterns:
+        return all_defects
+    chosen = [d for d in all_defects if any(fnmatch.fnmatchcase(d.id, p) for p in patterns)]
+    if not chosen:
+        raise ValueError(f"--defects {patterns}: matches none of {[d.id for d in all_defects]}")
+    return chosen
+
+
+def cases_for(defect: Defect, dumps: DumpSet, selected: list[str] | None) -> list[str]:
+    """The cases `defect` runs on: the `selected` ones (`--cases`) that exercise it; without a
+    selection its preferred cases the set has, else the set's first case that exercises it."""
+    exercising = [c for c, info in dumps.cases.items() if defect.exercised_by(info.seq_lens)]
+    if selected:
+        return [c for c in selected if c in exercising]
+    preferred = [c for c in defect.preferred_cases if c in exercising]
+    return preferred or exercising[:1]
+
+
+def checks_for(defect: Defect, seq_lens: tuple[int, ...]) -> list[str]:
+    """The checks of a case that `defect` can reach; decode-all is left out (one call per token; k = 1
+    and k = 8 decode the same way), and so are the kernel checks unless the defect is in the kernel
+    (they run on the dumped inputs, whatever the weights)."""
+    return [
+        check
+        for check in case_checks(seq_lens)
+        if group_of(check) in defect.groups and not check.startswith("decode-all")
+    ]
+
+
+class PowerRunner(CheckRunner):
+    """A `CheckRunner` whose adapter changes between points: each point forgets the last one's results."""
+
+    def forget_results(self) -> None:
+        self._memo.clear()
+
+
+@dataclasses.dataclass
+class Outcome:
+    """One point: the checks (`case:check`) that failed under each policy."""
+
+    failed: dict[str, list[str]]
+
+    def caught(self, policy: str) -> bool:
+        return bool(self.failed[policy])
+
+    def caught_by(self, policy: str) -> str | None:
+        return self.failed[policy][0] if self.failed[policy] else None
+
+
+class PowerMeter:
+    """Runs the checks of one dtype on a defect's cases with `DefectiveKDAImpl`, adapters cached."""
+
+    def __init__(self, dumps: DumpSet, policy: TolerancePolicy, kernel: str):
+        self.dumps = dumps
+        self.runner = PowerRunner(dumps, DefectiveKDAImpl, kernel, policy)
+        self.kernel = kernel
+        self._adapters: dict[tuple[str, type], DefectiveKDAImpl] = {}
+        # Per dtype, the checks the unmodified implementation already fails under each policy: a
+        # defect is caught only by a check that holds without it.
+        self.baseline: dict[str, Outcome] = {}
+
+    def adapter(self, dtype: str, layer_class: type[KimiDeltaAttention]) -> DefectiveKDAImpl:
+        key = (dtype, layer_class)
+        if key not in self._adapters:
+            self._adapters[key] = DefectiveKDAImpl(
+                self.dumps.config, self.runner.weights(), dtype, self.kernel, layer_class=layer_class
+            )
+        return self._adapters[key]
+
+    def evaluate(
+        self,
+        dtype: str,
+        injection: Injection,
+        cases: Mapping[str, list[str]],
+        layer_class: type[KimiDeltaAttention] = KimiDeltaAttention,
+    ) -> Outcome:
+        """Run the `cases` (case → checks) with `injection`; which checks fail under each policy, leaving
+        out those `baseline[dtype]` fails. A check that raises (other than a skip) fails under both."""
+        adapter = self.adapter(dtype, layer_class)
+        adapter.inject(injection)
+        self.runner.adapters[dtype] = adapter
+        self.runner.forget_results()
+        failed: dict[str, list[str]] = {policy: [] for policy in POLICIES}
+        for case_id, checks in cases.items():
+            for check in checks:
+                name = f"{case_id}:{check}"
+                try:
+                    comparison = self.runner.run(CheckSpec(case_id, dtype, check))
+                except CheckSkipped:
+                    continue
+                except Exception as err:  # an error fails the check, as in the suite
+                    for policy in POLICIES:
+                        failed[policy].append(f"{name} ({type(err).__name__})")
+                    continue
+                if comparison.failures:
+                    failed["default"].append(name)
+                if comparison.absolute_failures:
+                    failed["absolute"].append(name)
+        if dtype in self.baseline:
+            failed = {
+                p: [c for c in names if c not in self.baseline[dtype].failed[p]]
+                for p, names in failed.items()
+            }
+        return Outcome(failed)
+
+
+def smallest_caught(evaluate: Callable[[float], Outcome]) -> tuple[dict[str, dict[str, Any]], list]:
+    """Per policy, the smallest ε caught (`eps`, None when not caught at 1e-1), the largest ε seen not
+    caught below it (`below`, None when caught at the grid's first point) and the check that caught
+    it; and every point evaluated, (ε, outcome), in order."""
+    seen: dict[float, Outcome] = {}
+
+    def at(eps: float) -> Outcome:
+        if eps not in seen:
+            seen[eps] = evaluate(eps)
+        return seen[eps]
+
+    for eps in GRID:
+        if all(at(eps).caught(policy) for policy in POLICIES):
+            break
+    found = {}
+    for policy in POLICIES:
+        caught = [eps for eps in GRID if eps in seen and seen[eps].caught(policy)]
+        if not caught:
+            found[policy] = {"eps": None, "below": max(seen), "caught_by": None}
+            continue
+        hi = caught[0]
+        lo = GRID[GRID.index(hi) - 1] if hi != GRID[0] else None
+        for _ in range(BISECT_STEPS if lo is not None else 0):
+            mid = float(f"{math.sqrt(lo * hi):.2g}")
+            if at(mid).caught(policy):
+                hi = mid
+            else:
+                lo = mid
+        found[policy] = {"eps": hi, "below": lo, "caught_by": at(hi).caught_by(policy)}
+    return found, sorted(seen.items())
+
+
+def run_dtypes(dumps: DumpSet, requested: str) -> list[str]:
+    """`fp32`, `bf16`, or for `all` the dtypes the set has runs of; ValueError for one it lacks."""
+    present = [
+        d
+        for d in fmt.DTYPES
+        if any(fmt.result_key(fmt.OUTPUT_KEY, d) in c.keys for c in dumps.cases.values())
+    ]
+    if requested == "all":
+        if not present:
+            raise ValueError(f"dump set {dumps.url} has no fp32 or bf16 run")
+        return present
+    if requested not in present:
+        raise ValueError(f"--dtype {requested}: dump set {dumps.url} has no {requested} run")
+    return [requested]
+
+
+def measure(
+    dumps: DumpSet,
+    policy: TolerancePolicy,
+    dtypes: list[str],
+    chosen: list[Defect],
+    selected_cases: list[str] | None,
+    kernel: str,
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
+    """The power of the suite on `dumps`: the baseline and every defect × dtype, as power.json holds it."""
+    weights = dumps.weights()
+    meter = PowerMeter(dumps, policy, kernel)
+    plans = {
+        d.id: {c: checks_for(d, dumps.cases[c].seq_lens) for c in cases_for(d, dumps, selected_cases)}
+        for d in chosen
+    }
+    rows, baselines = [], {}
+    for dtype in dtypes:
+        union: dict[str, list[str]] = {}
+        for plan in plans.values():
+            for case_id, checks in plan.items():
+                union.setdefault(case_id, [])
+                union[case_id] += [c for c in checks if c not in union[case_id]]
+        started = time.perf_counter()
+        progress(f"{dtype}: baseline (no defect) on {sorted(union)}")
+        meter.baseline.pop(dtype, None)
+        baseline = meter.baseline[dtype] = meter.evaluate(dtype, Injection(), union)
+        baselines[dtype] = {
+            "cases": sorted(union),
+            "failed": baseline.failed,
+            "seconds": time.perf_counter() - started,
+        }
+        for defect in chosen:
+            if dtype not in defect.dtypes:
+                continue
+            rows.append(_measure_row(meter, defect, dtype, plans[defect.id], weights, progress))
+    return {"baseline": baselines, "rows": rows}
+
+
+def _measure_row(
+    meter: PowerMeter,
+    defect: Defect,
+    dtype: str,
+    plan: dict[str, list[str]],
+    weights: Mapping[str, np.ndarray],
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "defect": defect.id,
+        "description": defect.description,
+        "structural": defect.structural,
+        "dtype": dtype,
+        "cases": list(plan),
+        "goal": None if defect.structural else GOALS[dtype],
+    }
+    if not plan:
+        return {**row, "measured": False, "met": False, "reason": "no case of the run exercises it"}
+    progress(f"{dtype}: {defect.id} on {list(plan)}")
+    started = time.perf_counter()
+
+    def evaluate(eps: float) -> Outcome:
+        return meter.evaluate(dtype, defect.inject(weights, eps), plan, defect.layer_class)
+
+    if defect.structural:
+        outcome = evaluate(1.0)
+        found = {p: {"caught": outcome.caught(p), "caught_by": outcome.caught_by(p)} for p in POLICIES}
+        row.update(found, points=[{"failed": outcome.failed}], met=found["default"]["caught"])
+    else:
+        found, points = smallest_caught(evaluate)
+        eps = found["default"]["eps"]
+        row.update(found, points=[{"eps": e, "failed": o.failed} for e, o in points])
+        row["met"] = eps is not None and eps <= row["goal"]
+    return {**row, "measured": True, "seconds": time.perf_counter() - started}
+
+
+# ------------------------------------------------------------------------------------------ reports
+
+
+def _eps_cell(found: dict[str, Any]) -> str:
+    if found["eps"] is None:
+        return f"not caught at {GRID[-1]:.0e}"
+    bound = "≤ " if found["below"] is None else ""
+    return f"{bound}{found['eps']:.2g} ({found['caught_by']})"
+
+
+def _cell(row: dict[str, Any], policy: str) -> str:
+    if not row["measured"]:
+        return "n/a"
+    found = row[policy]
+    if row["structural"]:
+        return f"caught ({found['caught_by']})" if found["caught"] else "not caught"
+    return _eps_cell(found)
+
+
+def table(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    header = ["defect", "dtype", "cases", "default policy", "absolute gate", "goal", "met"]
+    body = []
+    for row in result["rows"]:
+        goal = "caught" if row["structural"] else f"ε ≤ {row['goal']:g}"
+        met = "yes" if row["met"] else ("no" if row["measured"] else f"no: {row['reason']}")
+        body.append(
+            [
+                row["defect"],
+                row["dtype"],
+                " ".join(row["cases"]),
+                _cell(row, "default"),
+                _cell(row, "absolute"),
+                goal,
+                met,
+            ]
+        )
+    return header, body
+
+
+def baseline_lines(result: dict[str, Any]) -> list[str]:
+    lines = []
+    for dtype, base in result["baseline"].items():
+        for policy in POLICIES:
+            failed = base["failed"][policy]
+            state = f"FAILS {len(failed)} check(s): {', '.join(failed[:5])}" if failed else "nothing caught"
+            lines.append(f"no defect ({dtype}, {policy}): {state}")
+    return lines
+
+
+def missed(result: dict[str, Any]) -> list[str]:
+    """Why the run misses its goals: a baseline failing the default policy, a defect not caught in time."""
+    reasons = [
+        f"the unmodified implementation fails the default policy ({dtype}): {', '.join(failed[:3])}"
+        for dtype, base in result["baseline"].items()
+        if (failed := base["failed"]["default"])
+    ]
+    for row in result["rows"]:
+        if row["met"]:
+            continue
+        if not row["measured"]:
+            reasons.append(f"{row['defect']} ({row['dtype']}): not measured, {row['reason']}")
+        elif row["structural"]:
+            reasons.append(f"{row['defect']} ({row['dtype']}): not caught")
+        else:
+            eps = row["default"]["eps"]
+            at = "not caught at 1e-1" if eps is None else f"caught only at ε = {eps:.2g}"
+            reasons.append(f"{row['defect']} ({row['dtype']}): {at}, goal ε ≤ {row['goal']:g}")
+    return reasons
+
+
+def comparison_line(result: dict[str, Any]) -> str:
+    """Whether the default policy catches every ε-defect at an ε no larger than the absolute gate."""
+    rows = [r for r in result["rows"] if r["measured"] and not r["structural"]]
+
+    def eps(row: dict[str, Any], policy: str) -> float:
+        return math.inf if row[policy]["eps"] is None else row[policy]["eps"]
+
+    weaker = [f"{r['defect']} ({r['dtype']})" for r in rows if eps(r, "default") > eps(r, "absolute")]
+    structural = [r for r in result["rows"] if r["measured"] and r["structural"]]
+    weaker += [
+        f"{r['defect']} ({r['dtype']})"
+        for r in structural
+        if r["absolute"]["caught"] and not r["default"]["caught"]
+    ]
+    total = len(rows) + len(structural)
+    text = (
+        f"default policy at least as powerful as the absolute gate in {total - len(weaker)} of {total} rows"
+    )
+    return text + (f"; weaker in: {', '.join(weaker)}" if weaker else "")
+
+
+def markdown(result: dict[str, Any]) -> str:
+    header, body = table(result)
+    meta = result["run"]
+    lines = [
+        "# The suite's power",
+        "",
+        f"`{meta['command']}` — dump set `{meta['dumps']}`, kernel `{meta['kernel']}`, "
+        f"{meta['seconds']:.0f} s, {meta['date']}.",
+        "",
+        "Smallest ε caught (the check that caught it), searched on the decade grid 1e-7 … 1e-1 and "
+        f"bisected {BISECT_STEPS} times in log space (within ×1.33 above the threshold); `default policy`: "
+        "the policy file as it is; `absolute gate`: every check by its absolute limits alone.",
+        "",
+        *tabulate.tabulate(
+            [[c.replace("|", "\\|") for c in row] for row in body],
+            headers=header,
+            tablefmt="github",
+            disable_numparse=True,
+        ).splitlines(),
+        "",
+        *(f"- {line}" for line in baseline_lines(result)),
+        f"- {comparison_line(result)}",
+    ]
+    reasons = missed(result)
+    lines += ["", "Goals: " + ("all met." if not reasons else "missed:"), *(f"- {r}" for r in reasons)]
+    return "\n".join(lines) + "\n"
+
+
+def write_reports(result: dict[str, Any], folder: Path) -> None:
+    write_json(result, folder / "power.json")
+    (folder / "power.md").write_text(markdown(result))
+
+
+def check_report_dir(folder: Path) -> None:
+    """Make `folder` and make sure the reports can be written there; ValueError says why not."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--report-dir {folder}: cannot write the reports there ({err})") from None
+    for name in REPORT_FILES:
+        check_writable_file(folder / name, "--report-dir")
+
+
+def run(
+    dumps: DumpSet,
+    policy: TolerancePolicy,
+    *,
+    dtype: str,
+    cases: list[str] | None,
+    defect_patterns: list[str] | None,
+    kernel: str,
+    report_dir: Path,
+    command: str,
+    progress: Callable[[str], None] = print,
+) -> tuple[dict[str, Any], list[str]]:
+    """Measure, write power.json / power.md into `report_dir`; (the result, the goals missed).
+    ValueError for unusable arguments, before anything runs."""
+    if cases:
+        dumps.case_ids(cases)  # a DumpError names an unknown case
+    dtypes = run_dtypes(dumps, dtype)
+    chosen = select_defects(defects(list(dumps.weights())), defect_patterns)
+    check_report_dir(report_dir)
+    started = time.perf_counter()
+    result = measure(dumps, policy, dtypes, chosen, cases, kernel, progress)
+    result["run"] = {
+        "command": command,
+        "dumps": dumps.url,
+        "kernel": kernel,
+        "policy": policy.source,
+        "dtypes": dtypes,
+        "grid": list(GRID),
+        "bisect_steps": BISECT_STEPS,
+        "seconds": time.perf_counter() - started,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+    }
+    write_reports(result, report_dir)
+    return result, missed(result)
+
+
+def terminal_lines(result: dict[str, Any]) -> list[str]:
+    header, body = table(result)
+    return [*format_text_table(header, body), *baseline_lines(result), comparison_line(result)]
