@@ -243,16 +243,20 @@ class KDAImplAdapter(KDAAdapter):
         cu_seqlens: np.ndarray,  # i32[N+1]
         initial_state: np.ndarray | None,  # [N, H, D, D] fp32
     ) -> tuple[np.ndarray, np.ndarray]:
-        """As the layer feeds the kernel: q, k l2-normalised in fp32 (never re-rounded), v in the run
-        dtype, g, beta and the states fp32; o rounded to the run dtype, as the reference kernel returns it."""
+        """As the layer feeds the kernel: q, k l2-normalised in fp32 (never re-rounded), v rounded to the
+        run dtype and held in fp32 (the kernel upcasts it exactly, so one compiled kernel serves both runs),
+        g, beta and the states fp32; o rounded to the run dtype, as the reference kernel returns it."""
         seq_lens_from_cu_seqlens(cu_seqlens, q.shape[0])  # the jitted kernel cannot check values
-        q, k, g, beta = (jnp.asarray(x, jnp.float32)[None] for x in (q, k, g, beta))
-        v = jnp.asarray(v, self._run_dtype)[None]
-        init = None if initial_state is None else jnp.asarray(initial_state, jnp.float32)
-        o, final = kernel(q, k, v, g, beta, initial_state=init, cu_seqlens=jnp.asarray(cu_seqlens, jnp.int32))
-        return _to_numpy(o[0].astype(self._run_dtype)), _to_numpy(final)
+        # Conversions in numpy (bf16 casts round to nearest even, as XLA's): on the device each one would
+        # be one more small executable to compile per shape.
+        run_dtype = np.dtype(self._run_dtype)
+        q, k, g, beta = (np.asarray(x, np.float32)[None] for x in (q, k, g, beta))
+        v = np.asarray(v, np.float32).astype(run_dtype).astype(np.float32)[None]
+        init = None if initial_state is None else np.asarray(initial_state, np.float32)
+        o, final = kernel(q, k, v, g, beta, initial_state=init, cu_seqlens=np.asarray(cu_seqlens, np.int32))
+        return _to_numpy(np.asarray(o)[0].astype(run_dtype)), _to_numpy(final)
 
 
-def _to_numpy(x: jax.Array) -> np.ndarray:
-    """float32 numpy (bf16 values upcast exactly)."""
-    return np.asarray(jnp.asarray(x, jnp.float32))
+def _to_numpy(x: jax.Array | np.ndarray) -> np.ndarray:
+    """float32 numpy (bf16 values upcast exactly), converted on the host."""
+    return np.asarray(x).astype(np.float32)
