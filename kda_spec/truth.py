@@ -32,8 +32,9 @@ float32; this module agrees with an np.longdouble run of itself to 1e-15 (tests/
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -166,35 +167,14 @@ def layer_truth(
     `initial_state` [N, H, D, D] or None (zeros); whatever their dtype, they are converted exactly.
     """
     w = {name: np.asarray(array, dtype) for name, array in weights.items()}
-    x = np.asarray(hidden_states, dtype)
-    tokens, heads, dim = x.shape[0], config.num_heads, config.head_dim
     spans = list(itertools.pairwise(np.asarray(cu_seqlens).tolist()))
 
-    def per_head(a: np.ndarray) -> np.ndarray:
-        return a.reshape(tokens, heads, dim)
+    def recurrence(
+        q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        return packed_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state)
 
-    q, k, v = (
-        per_head(short_conv(x @ w[f"{n}_proj.weight"].T, w[f"{n}_conv1d.weight"], spans)) for n in "qkv"
-    )
-    f = per_head((x @ w["f_a_proj.weight"].T) @ w["f_b_proj.weight"].T + w["dt_bias"])
-    g = -np.exp(w["A_log"].reshape(heads, 1)) * softplus(f)
-    beta = sigmoid(x @ w["b_proj.weight"].T)
-    g_out = per_head((x @ w["g_a_proj.weight"].T) @ w["g_b_proj.weight"].T)
-
-    o, states = packed_delta_rule(l2_normalised(q), l2_normalised(k), v, g, beta, cu_seqlens, initial_state)
-    o_norm = gated_rms_norm(o, g_out, w["o_norm.weight"], config.rms_norm_eps)
-    out = o_norm.reshape(tokens, heads * dim) @ w["o_proj.weight"].T
-    return {
-        "out": out,
-        "recurrent_state": states,
-        "q_after_conv": q,
-        "k_after_conv": k,
-        "v_after_conv": v,
-        "g": g,
-        "beta": beta,
-        "g_out": g_out,
-        "o_norm": o_norm,
-    }
+    return _layer(w, np.asarray(hidden_states, dtype), spans, 0, recurrence, config)
 
 
 # A long case's truth of the output and the final states is computed this many tokens at a time, so
@@ -232,33 +212,61 @@ def layer_output_truth(
         for block_start in range(start, end, block_tokens):
             block_end = min(block_start + block_tokens, end)
             context = max(start, block_start - tail)  # the conv's inputs before the block, in the sequence
-            out[block_start:block_end], state = _layer_block(
-                w, x[context:block_end], block_start - context, state, config
+            block = _layer(
+                w,
+                x[context:block_end],
+                [(0, block_end - context)],
+                block_start - context,
+                functools.partial(delta_rule, state=state),
+                config,
             )
+            out[block_start:block_end], state = block["out"], block["recurrent_state"]
         states.append(state)
     return {"out": out, "recurrent_state": np.stack(states)}
 
 
-def _layer_block(
-    w: Mapping[str, np.ndarray], x: np.ndarray, skip: int, state: np.ndarray, config: KDAConfig
-) -> tuple[np.ndarray, np.ndarray]:
-    """The layer's output on the tokens `x[skip:]` of one sequence, `x[:skip]` being the tokens just
-    before them (the short conv's context), from recurrent `state` [H, D, D]; (out, final state)."""
+Recurrence = Callable[
+    [np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]
+]
+
+
+def _layer(
+    w: Mapping[str, np.ndarray],
+    x: np.ndarray,
+    spans: list[tuple[int, int]],
+    skip: int,
+    recurrence: Recurrence,
+    config: KDAConfig,
+) -> dict[str, np.ndarray]:
+    """The layer's math on the rows `x[skip:]` of `x` [T, hidden], `x[:skip]` being only the short conv's
+    context; `spans` the sequences of `x`, each from a zero conv state; `recurrence(q, k, v, g, beta)`
+    the delta rule from the right initial states, returning (o, final states). Every result by its dump
+    name: `out`, `recurrent_state` (what `recurrence` returns) and the intermediates."""
     heads, dim = config.num_heads, config.head_dim
     tokens = x.shape[0] - skip
-    span = [(0, x.shape[0])]
 
     def per_head(a: np.ndarray) -> np.ndarray:
         return a.reshape(tokens, heads, dim)
 
     q, k, v = (
-        per_head(short_conv(x @ w[f"{n}_proj.weight"].T, w[f"{n}_conv1d.weight"], span)[skip:]) for n in "qkv"
+        per_head(short_conv(x @ w[f"{n}_proj.weight"].T, w[f"{n}_conv1d.weight"], spans)[skip:])
+        for n in "qkv"
     )
     x = x[skip:]
     f = per_head((x @ w["f_a_proj.weight"].T) @ w["f_b_proj.weight"].T + w["dt_bias"])
     g = -np.exp(w["A_log"].reshape(heads, 1)) * softplus(f)
     beta = sigmoid(x @ w["b_proj.weight"].T)
     g_out = per_head((x @ w["g_a_proj.weight"].T) @ w["g_b_proj.weight"].T)
-    o, state = delta_rule(l2_normalised(q), l2_normalised(k), v, g, beta, state)
+    o, states = recurrence(l2_normalised(q), l2_normalised(k), v, g, beta)
     o_norm = gated_rms_norm(o, g_out, w["o_norm.weight"], config.rms_norm_eps)
-    return o_norm.reshape(tokens, heads * dim) @ w["o_proj.weight"].T, state
+    return {
+        "out": o_norm.reshape(tokens, heads * dim) @ w["o_proj.weight"].T,
+        "recurrent_state": states,
+        "q_after_conv": q,
+        "k_after_conv": k,
+        "v_after_conv": v,
+        "g": g,
+        "beta": beta,
+        "g_out": g_out,
+        "o_norm": o_norm,
+    }
