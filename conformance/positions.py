@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.metrics import Attribution, Comparison, error_vs_truth, judge
+from conformance.metrics import Attribution, Comparison, attribute, judge
 from conformance.tolerances import RelativeLimits, Tolerance
 
 WINDOW_TOKENS = 256
@@ -164,12 +164,8 @@ def position_profile(
         rows = slice(start, end)
         limit = tolerance.atol + tolerance.rtol * np.abs(b[rows])
         apart = bool(np.any(~(np.abs(a[rows] - b[rows]) <= limit)))
-        attribution = Attribution(
-            source=f"out truth, tokens {start}-{end}",
-            impl=error_vs_truth(a[rows], t[rows], tolerance),
-            reference=error_vs_truth(b[rows], t[rows], tolerance),
-            limits=limits,
-            apart=apart,
+        attribution = attribute(
+            a[rows], b[rows], t[rows], f"out truth, tokens {start}-{end}", tolerance, limits, apart
         )
         windows.append(Window(start, end, _rms(a[rows], t[rows]), _rms(b[rows], t[rows]), attribution))
     return PositionProfile(case_id, dtype, check, window_tokens, decode_from, tuple(windows))
