@@ -17,7 +17,7 @@ import numpy as np
 
 from conformance import sequences
 from conformance.adapter import KDAAdapter, LayerResult
-from conformance.metrics import Comparison, attribute, compare, judge
+from conformance.metrics import Comparison, ContractCheck, attribute, compare, contract_check, judge
 from conformance.positions import (
     DECODE_POSITIONS,
     LAYER_POSITIONS,
@@ -27,11 +27,14 @@ from conformance.positions import (
     position_profile,
 )
 from conformance.reader import CaseData, CaseInfo, DumpSet
-from conformance.tolerances import TolerancePolicy
+from conformance.tolerances import CONTRACT_MODE, TolerancePolicy
 from conformance.truth import (
     COMPUTED_LAYER_TRUTH_SOURCE,
+    CONTRACT_SOURCE,
+    FP32_STAGES,
     KERNEL_INPUTS,
     NoTruth,
+    computed_contract_model,
     computed_layer_truth,
     recurrence_fp64,
     stored_truth,
@@ -237,7 +240,32 @@ class CheckRunner:
         limits = self.policy.relative[spec.dtype]
         apart = bool(comparison.absolute_failures)
         attribution = attribute(actual, expected, truth_value, source, tolerance, limits, apart)
-        return judge(comparison, mode, attribution)
+        if mode != CONTRACT_MODE:
+            return judge(comparison, mode, attribution)
+        try:
+            contract = self.contract(case, spec, actual, expected, positions)
+        except NoTruth as missing:
+            return judge(comparison, mode, attribution, no_contract=str(missing))
+        return judge(comparison, mode, attribution, contract=contract)
+
+    def contract(
+        self, case: CaseData, spec: CheckSpec, actual: np.ndarray, expected: np.ndarray, positions: dict
+    ) -> ContractCheck:
+        """The check's two sides against the bf16 precision contract's float64 model of its result;
+        `NoTruth` when there is none (a kernel check, a case too long to compute it for)."""
+        if spec.check in KERNEL_CHECKS:
+            raise NoTruth("the precision contract has no rounding point inside the kernels")
+        name = truth_name(spec.check)
+        model = self._memoized(
+            ("contract-model", spec.dtype),
+            lambda: computed_contract_model(case, self.weights(), self.dumps.config),
+        )[name]
+        tokens = case.info.total_tokens  # a state's: every token of the case went into it
+        if "token" in positions:
+            model = model[positions["token"]]
+            tokens = len(positions["token"])
+        limits, fp32_stage = self.policy.contract, name in FP32_STAGES
+        return contract_check(actual, expected, model, CONTRACT_SOURCE, limits, fp32_stage, tokens)
 
     def by_position(self, case: CaseData, spec: CheckSpec) -> Comparison:
         """A long case's output (its prefill, or its prefill then decode steps) against the reference and

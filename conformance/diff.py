@@ -169,6 +169,28 @@ def _against_truth(c: Comparison) -> list[str]:
     return [f"{side.margin:.3g} / {side.nrmse:.3g}" for side in (a.impl, a.reference)] + [a.verdict]
 
 
+def _against_contract(c: Comparison) -> str:
+    """The implementation against the bf16 precision contract's model (nRMSE / gain): empty without one."""
+    if c.contract is None:
+        return ""
+    text = f"{c.contract.impl.nrmse:.3g} / {c.contract.impl.gain:+.2g}"
+    return text if not c.contract.failures else f"{text} OUT"
+
+
+def first_leaving_contract(results: list[StageResult]) -> StageResult | None:
+    """The first stage (in the layer's order) whose implementation fails the precision contract."""
+    return next(
+        (
+            row
+            for row in results
+            if row.comparison is not None
+            and row.comparison.contract is not None
+            and row.comparison.contract.failures
+        ),
+        None,
+    )
+
+
 def table_lines(results: list[StageResult]) -> list[str]:
     """The three-way table: per stage, implementation against reference (the gate's numbers and
     verdict), implementation against the float64 truth, reference against the truth, attribution."""
@@ -183,22 +205,26 @@ def table_lines(results: list[StageResult]) -> list[str]:
         "impl vs truth",
         "ref vs truth",
         "attribution",
+        "impl vs contract",
         "worst at",
     ]
     body = []
     for row in results:
         c = row.comparison
         if c is None:
-            body.append([row.stage, row.result, "", "", "", "", "skip", "", "", "", row.skipped])
+            body.append([row.stage, row.result, "", "", "", "", "skip", "", "", "", "", row.skipped])
             continue
         where = ", ".join(f"{axis} {i}" for axis, i in c.worst.get("index", {}).items())
         verdict = "ok" if c.passed else "OUT"
         numbers = [f"{value:.3g}" for value in (c.max_abs, c.max_rel, c.margin, c.nrmse)]
-        body.append([row.stage, row.result, *numbers, verdict, *_against_truth(c), where])
+        body.append(
+            [row.stage, row.result, *numbers, verdict, *_against_truth(c), _against_contract(c), where]
+        )
     lines = format_text_table(header, body)
     lines.append(
         "margin / nRMSE: against the reference under the check's tolerance; impl and ref vs truth: "
-        "each side against the float64 truth, margin / nRMSE (n/a: the dump has no truth for it)"
+        "each side against the float64 truth, margin / nRMSE (n/a: the dump has no truth for it); impl vs "
+        "contract (bf16): nRMSE / gain against the float64 model of the precision contract's roundings"
     )
     for row, what in state_defects(results):
         lines.append(
@@ -211,6 +237,12 @@ def table_lines(results: list[StageResult]) -> list[str]:
     else:
         lines.append(f"first out of tolerance: {first.stage} ({first.result}): {first.comparison.summary()}")
     lines.append(_leaving_line(results))
+    departing = first_leaving_contract(results)
+    if departing is not None:
+        lines.append(
+            f"first stage off the precision contract: {departing.stage} ({departing.result}): "
+            + "; ".join(departing.comparison.contract.failures)
+        )
     return lines
 
 

@@ -2,7 +2,8 @@
 
 Nothing in a report is taken on trust: each check's verdict is recomputed from the numbers and the
 limits it records (the absolute gate's, and where its mode and a truth call for it, the relative
-gate's: both sides' errors against the float64 truth, the factor and the floors), a check the
+gate's: both sides' errors against the float64 truth, the factor and the floors; and where its mode
+and a model call for it, the bf16 precision contract's: the nRMSE and gain and their limits), a check the
 baseline has and the report lacks is a breach, and two reports are only compared when they were
 made on the same dump set (the sha256 of its manifest).
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from conformance.report import REPORT_FORMAT, REPORT_VERSION, STATUSES
-from conformance.tolerances import GATE_MODES, RELATIVE_FIELDS
+from conformance.tolerances import CONTRACT_FIELDS, CONTRACT_MODE, GATE_MODES, RELATIVE_FIELDS
 
 _CHECK_TEXT_FIELDS = ("id", "status", "message")
 
@@ -103,15 +104,60 @@ def _passed_metrics(metrics: dict[str, Any], label: str) -> dict[str, Any]:
     if not isinstance(truth, dict) or not isinstance(truth.get("available"), bool):
         raise ReportError(f"{label}: metrics 'truth' must be an object with 'available' true or false")
     relative = _relative_numbers(truth, f"{label}: truth") if truth["available"] else None
-    # The gate that decides, recomputed: the relative one needs a truth (docs/tolerance-policy.md).
-    judged_by = "absolute" if relative is None else mode
+    contract = None
+    if mode == CONTRACT_MODE:
+        recorded = metrics.get("contract", {"available": False})
+        if not isinstance(recorded, dict) or not isinstance(recorded.get("available"), bool):
+            raise ReportError(f"{label}: metrics 'contract' must be an object with 'available' true or false")
+        contract = _contract_numbers(recorded, f"{label}: contract") if recorded["available"] else None
+    # The gates that decide, recomputed: the relative one needs a truth, the contract its model
+    # (docs/tolerance-policy.md).
+    if relative is None:
+        judged_by = "absolute"
+    elif mode == CONTRACT_MODE and contract is None:
+        judged_by = "relative"
+    else:
+        judged_by = mode
     return {
         **numbers,
         "nrmse_gated": gated,
         "failures": failures,
         "judged_by": judged_by,
         "relative": relative,
+        "contract": contract,
     }
+
+
+def _contract_numbers(contract: dict[str, Any], label: str) -> dict[str, float]:
+    """The implementation's nRMSE and gain against the contract's model and the limits, as recorded."""
+    impl, limits = contract.get("impl"), contract.get("limits")
+    if not isinstance(impl, dict):
+        raise ReportError(f"{label}: 'impl' must be an object, found {impl!r}")
+    if not isinstance(limits, dict):
+        raise ReportError(f"{label}: 'limits' must be an object, found {limits!r}")
+    fp32_stage = contract.get("fp32_stage")
+    if not isinstance(fp32_stage, bool):
+        raise ReportError(f"{label}: 'fp32_stage' must be true or false, found {fp32_stage!r}")
+    numbers = {f"impl_{key}": _number(impl, key, f"{label}: impl") for key in ("nrmse", "gain")}
+    numbers |= {key: _number(limits, key, f"{label}: limits") for key in CONTRACT_FIELDS}
+    numbers["tokens"] = _number(contract, "tokens", label)
+    return numbers | {"fp32_stage": fp32_stage}
+
+
+def _contract_verdict(c: dict[str, Any]) -> tuple[list[str], float]:
+    """The precision contract recomputed from the recorded numbers and limits: reasons, ratio."""
+    if not all(0 < c[key] < math.inf for key in CONTRACT_FIELDS) or not c["tokens"] >= 0:
+        recorded = [c[key] for key in CONTRACT_FIELDS]
+        return [f"recorded contract limits {recorded} are not finite numbers > 0"], math.nan
+    if c["tokens"] < c["min_tokens"]:  # gated over enough tokens only
+        return [], 0.0
+    max_nrmse = c["max_nrmse_fp32_stage"] if c["fp32_stage"] else c["max_nrmse"]
+    reasons = []
+    if not c["impl_nrmse"] <= max_nrmse:
+        reasons.append(f"nRMSE vs the contract's model {c['impl_nrmse']:g} > {max_nrmse:g}")
+    if not abs(c["impl_gain"]) <= c["max_gain"]:
+        reasons.append(f"|gain| vs the contract's model {abs(c['impl_gain']):g} > {c['max_gain']:g}")
+    return reasons, max(c["impl_nrmse"] / max_nrmse, abs(c["impl_gain"]) / c["max_gain"])
 
 
 def _relative_numbers(truth: dict[str, Any], label: str) -> dict[str, float]:
@@ -161,7 +207,7 @@ def _recomputed(check: dict[str, Any]) -> tuple[list[str], float | None]:
     if n["nonfinite"] != 0:
         reasons.append(f"{n['nonfinite']:g} NaN/Inf value(s)")
     ratios = []
-    if n["judged_by"] != "relative":
+    if n["judged_by"] in ("absolute", "absolute+relative"):
         absolute_reasons, absolute_ratio = _absolute_verdict(n)
         reasons += absolute_reasons
         ratios.append(absolute_ratio)
@@ -169,6 +215,10 @@ def _recomputed(check: dict[str, Any]) -> tuple[list[str], float | None]:
         relative_reasons, relative_ratio = _relative_verdict(n["relative"])
         reasons += relative_reasons
         ratios.append(relative_ratio)
+    if n["judged_by"] == CONTRACT_MODE:
+        contract_reasons, contract_ratio = _contract_verdict(n["contract"])
+        reasons += contract_reasons
+        ratios.append(contract_ratio)
     if n["failures"]:
         reasons.append(f"recorded failures {n['failures']}")
     return reasons, (max(ratios) if not reasons else None)

@@ -12,8 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from conformance.tolerances import RelativeLimits, Tolerance
+from conformance.tolerances import CONTRACT_MODE, ContractLimits, RelativeLimits, Tolerance
 
+# The gate modes in which the absolute limits decide too.
+ABSOLUTE_MODES = ("absolute", "absolute+relative")
 # Who a check's difference comes from, judged against the float64 truth (docs/tolerance-policy.md).
 VERDICTS = ("impl", "reference", "both", "conditioning")
 
@@ -129,6 +131,110 @@ def attribute(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class ContractError:
+    """One side against the bf16 precision contract's float64 model `m`: `nrmse` `‖x - m‖₂ / ‖m‖₂`, and
+    `gain` `<x - m, m> / <m, m>`, the part of the error along the model: what a scale defect (a weight
+    times 1 + ε) adds to it, and what independent roundings average out of it."""
+
+    nrmse: float
+    gain: float
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+def error_vs_contract(x: np.ndarray, model: np.ndarray) -> ContractError:
+    """The error of `x` against the contract's model (same shape); a NaN/Inf in `x` is an infinite one."""
+    x, m = np.asarray(x, np.float64), np.asarray(model, np.float64)
+    if x.shape != m.shape:
+        raise ValueError(f"result of shape {x.shape} against a contract model of shape {m.shape}")
+    if not np.all(np.isfinite(x)):
+        return ContractError(nrmse=float("inf"), gain=float("inf"))
+    error = x - m
+    norm2 = float(np.sum(m * m))
+    gain = float(np.sum(error * m)) / norm2 if norm2 > 0 else (0.0 if not error.any() else float("inf"))
+    return ContractError(nrmse=_nrmse(np.abs(error), m), gain=gain)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContractCheck:
+    """The implementation against the bf16 precision contract (docs/tolerance-policy.md): its nRMSE and
+    gain against the float64 model of the contract's roundings, under `limits`; the reference's own
+    numbers beside it, reported only (a reference may round elsewhere: transformers' port does)."""
+
+    source: str
+    impl: ContractError
+    reference: ContractError
+    limits: ContractLimits
+    fp32_stage: bool  # the contract keeps this result in fp32 (g, beta, states): the tighter nRMSE limit
+    tokens: int  # the tokens the result comes from: it is gated from `limits.min_tokens` on
+
+    @property
+    def max_nrmse(self) -> float:
+        return self.limits.max_nrmse_of(self.fp32_stage)
+
+    @property
+    def gated(self) -> bool:
+        return self.limits.gates(self.tokens)
+
+    @property
+    def failures(self) -> list[str]:
+        reasons = []
+        if not self.gated:
+            return reasons
+        if not self.impl.nrmse <= self.max_nrmse:
+            reasons.append(f"nRMSE vs the contract's model {self.impl.nrmse:.3g} > {self.max_nrmse:g}")
+        if not abs(self.impl.gain) <= self.limits.max_gain:
+            reasons.append(
+                f"gain vs the contract's model {self.impl.gain:+.3g}, |gain| > {self.limits.max_gain:g}"
+            )
+        return reasons
+
+    @property
+    def ratio(self) -> float:
+        """The larger criterion as a share of its limit (<= 1 holds); 0 where it is not gated."""
+        if not self.gated:
+            return 0.0
+        return max(self.impl.nrmse / self.max_nrmse, abs(self.impl.gain) / self.limits.max_gain)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "available": True,
+            "source": self.source,
+            "impl": self.impl.as_dict(),
+            "reference": self.reference.as_dict(),
+            "limits": self.limits.as_dict(),
+            "fp32_stage": self.fp32_stage,
+            "tokens": self.tokens,
+            "gated": self.gated,
+            "max_nrmse": self.max_nrmse,
+            "ratio": self.ratio,
+            "failures": self.failures,
+        }
+
+
+def contract_check(
+    actual: np.ndarray,
+    expected: np.ndarray,
+    model: np.ndarray,
+    source: str,
+    limits: ContractLimits,
+    fp32_stage: bool,
+    tokens: int,
+) -> ContractCheck:
+    """Both sides of a check against the contract's float64 `model` (where it comes from: `source`) of a
+    result that `tokens` tokens produced."""
+    return ContractCheck(
+        source=source,
+        impl=error_vs_contract(actual, model),
+        reference=error_vs_contract(expected, model),
+        limits=limits,
+        fp32_stage=fp32_stage,
+        tokens=tokens,
+    )
+
+
 @dataclasses.dataclass
 class Comparison:
     """One result against its reference under one tolerance.
@@ -139,9 +245,11 @@ class Comparison:
     the part it applies to (a state's sequences of enough tokens; else the whole result).
     rfc: the same element-wise numbers under the RFC's tolerance, reported beside the verdict.
     mode: the gate mode of the check's policy; attribution: both sides against the float64 truth, or
-    None with `no_truth` saying why. `failures` are what decide the check (`judged_by`: the relative
-    gate needs a truth, so without one the absolute gate decides); `absolute_failures` what the
-    absolute limits say, whether they decide or not.
+    None with `no_truth` saying why; contract: the implementation against the bf16 precision contract's
+    model where the mode asks for it, or None with `no_contract` saying why. `failures` are what decide
+    the check (`judged_by`: the relative gate needs a truth, so without one the absolute gate decides;
+    the contract needs its model, so without one the relative gate decides alone); `absolute_failures`
+    what the absolute limits say, whether they decide or not.
     """
 
     shape: tuple[int, ...]
@@ -162,6 +270,8 @@ class Comparison:
     mode: str = "absolute"
     attribution: Attribution | None = None
     no_truth: str | None = "not looked up"
+    contract: ContractCheck | None = None
+    no_contract: str | None = "not looked up"
     usable: bool = True  # False when nothing could be compared (shape mismatch, NaN reference)
 
     @property
@@ -170,8 +280,13 @@ class Comparison:
 
     @property
     def judged_by(self) -> str:
-        """The gate that decides: the policy's mode, or "absolute" where there is no truth."""
-        return "absolute" if self.attribution is None else self.mode
+        """The gate(s) that decide: the policy's mode, "absolute" where there is no truth, "relative"
+        where the mode asks for the contract and there is no model of it."""
+        if self.attribution is None:
+            return "absolute"
+        if self.mode == CONTRACT_MODE and self.contract is None:
+            return "relative"
+        return self.mode
 
     @property
     def absolute_ratio(self) -> float:
@@ -187,6 +302,8 @@ class Comparison:
             return self.absolute_ratio
         if self.judged_by == "relative":
             return self.attribution.relative_ratio
+        if self.judged_by == CONTRACT_MODE:
+            return max(self.attribution.relative_ratio, self.contract.ratio)
         return max(self.absolute_ratio, self.attribution.relative_ratio)
 
     @property
@@ -237,6 +354,11 @@ class Comparison:
                 self.attribution.as_dict()
                 if self.attribution is not None
                 else {"available": False, "reason": self.no_truth}
+            ),
+            "contract": (
+                self.contract.as_dict()
+                if self.contract is not None
+                else {"available": False, "reason": self.no_contract}
             ),
         }
 
@@ -343,20 +465,30 @@ def compare(
 
 
 def judge(
-    comparison: Comparison, mode: str, attribution: Attribution | None, no_truth: str | None = None
+    comparison: Comparison,
+    mode: str,
+    attribution: Attribution | None,
+    no_truth: str | None = None,
+    contract: ContractCheck | None = None,
+    no_contract: str | None = None,
 ) -> Comparison:
     """Decide `comparison` by the gate `mode` (`tolerances.GATE_MODES`), given its truth attribution
-    (None, with `no_truth` saying why, when there is no truth: then the absolute gate decides)."""
+    (None, with `no_truth` saying why, when there is no truth: then the absolute gate decides) and, for
+    the contract mode, its precision-contract check (None, with `no_contract` saying why, when there is
+    no model of the contract: then the relative gate decides alone)."""
     comparison.mode, comparison.attribution, comparison.no_truth = mode, attribution, no_truth
+    comparison.contract, comparison.no_contract = contract, no_contract
     if not comparison.usable:
         return comparison
     failures = []
-    if comparison.judged_by != "relative":
+    if comparison.judged_by in ABSOLUTE_MODES:
         failures += comparison.absolute_failures
     elif comparison.nonfinite:
         failures.append(f"{comparison.nonfinite} NaN/Inf value(s) in the result")
     if comparison.judged_by != "absolute":
         failures += [f"relative to the reference: {reason}" for reason in attribution.relative_failures]
+    if comparison.judged_by == CONTRACT_MODE:
+        failures += [f"precision contract: {reason}" for reason in contract.failures]
     comparison.failures = failures
     return comparison
 

@@ -181,9 +181,12 @@ class PowerRunner(CheckRunner):
 
 @dataclasses.dataclass
 class Outcome:
-    """One point: the checks (`case:check`) that failed under each policy."""
+    """One point: the checks (`case:check`) that failed under each policy, and each compared check's
+    ratio to the limit under each policy (the baseline's say how close to its limit a check that
+    catches a defect already was without it)."""
 
     failed: dict[str, list[str]]
+    ratios: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
     def caught(self, policy: str) -> bool:
         return bool(self.failed[policy])
@@ -226,6 +229,7 @@ class PowerMeter:
         self.runner.adapters[dtype] = adapter
         self.runner.forget_results()
         failed: dict[str, list[str]] = {policy: [] for policy in POLICIES}
+        ratios: dict[str, dict[str, float]] = {policy: {} for policy in POLICIES}
         for case_id, checks in cases.items():
             for check in checks:
                 name = f"{case_id}:{check}"
@@ -241,12 +245,15 @@ class PowerMeter:
                     failed["default"].append(name)
                 if comparison.absolute_failures:
                     failed["absolute"].append(name)
+                if comparison.usable:
+                    ratios["default"][name] = comparison.gate_ratio
+                    ratios["absolute"][name] = comparison.absolute_ratio
         if dtype in self.baseline:
             failed = {
                 p: [c for c in names if c not in self.baseline[dtype].failed[p]]
                 for p, names in failed.items()
             }
-        return Outcome(failed)
+        return Outcome(failed, ratios)
 
 
 def smallest_caught(evaluate: Callable[[float], Outcome]) -> tuple[dict[str, dict[str, Any]], list]:
@@ -327,6 +334,7 @@ def measure(
         baselines[dtype] = {
             "cases": sorted(union),
             "failed": baseline.failed,
+            "ratios": baseline.ratios,
             "seconds": time.perf_counter() - started,
         }
         for defect in chosen:
@@ -449,7 +457,15 @@ def comparison_line(result: dict[str, Any]) -> str:
     def eps(row: dict[str, Any], policy: str) -> float:
         return math.inf if row[policy]["eps"] is None else row[policy]["eps"]
 
-    weaker = [f"{r['defect']} ({r['dtype']})" for r in rows if eps(r, "default") > eps(r, "absolute")]
+    def edge(row: dict[str, Any]) -> str:
+        """How close to its limit the check the absolute gate caught it with was without the defect."""
+        check = row["absolute"]["caught_by"]
+        ratio = result["baseline"].get(row["dtype"], {}).get("ratios", {}).get("absolute", {}).get(check)
+        return "" if ratio is None else f" [{check} at {ratio:.2f} of its limit without it]"
+
+    weaker = [
+        f"{r['defect']} ({r['dtype']}){edge(r)}" for r in rows if eps(r, "default") > eps(r, "absolute")
+    ]
     structural = [r for r in result["rows"] if r["measured"] and r["structural"]]
     weaker += [
         f"{r['defect']} ({r['dtype']})"

@@ -19,6 +19,7 @@ import tabulate
 
 from conformance.checks import GROUPS, CheckSpec
 from conformance.metrics import VERDICTS, Comparison, percent
+from conformance.tolerances import CONTRACT_MODE
 
 REPORT_FORMAT = "kda-conformance-report"
 REPORT_VERSION = 1
@@ -218,7 +219,8 @@ def terminal_lines(report: dict[str, Any]) -> list[str]:
         "cells: worst ratio to the gate's limit in the group (<= 1 holds), ok* = some skipped; "
         "RFC tolerance: the RFC's limit for the row's dtype and the checks outside it (reported, not gated)"
     )
-    lines.append(f"attribution against the float64 truth: {attribution_rows(report)[1][-1][-1]}")
+    header, rows = attribution_rows(report)
+    lines.append(f"attribution against the float64 truth: {rows[-1][header.index('verdict')]}")
     bad = [check for check in report["checks"] if check["status"] in ("failed", "error")]
     lines += [f"{check['status'].upper()} {check['id']}: {check['message']}" for check in bad]
     counts = report["summary"]
@@ -285,6 +287,7 @@ def markdown(report: dict[str, Any]) -> str:
         "impl vs truth",
         "reference vs truth",
         "verdict",
+        "impl vs contract",
         "RFC outside",
         "RFC margin",
         "worst at",
@@ -307,6 +310,7 @@ def markdown(report: dict[str, Any]) -> str:
                 _truth_error(truth, "impl") if metrics else "",
                 _truth_error(truth, "reference") if metrics else "",
                 _verdict(truth) if metrics else "",
+                _contract_error(metrics),
                 _share(rfc.get("n_outside"), rfc.get("share_outside")),
                 _number(rfc.get("margin")),
                 _where(metrics) if metrics else "",
@@ -321,8 +325,22 @@ ATTRIBUTION_NOTE = (
     "float64 recurrence on the dumped inputs): margin under the check's tolerance and nRMSE of the "
     "implementation and of the reference, and who the difference comes from: `impl`, `reference`, "
     "`both`, or `conditioning` (equally close to the truth; docs/tolerance-policy.md). `n/a`: the dump "
-    "has no truth for it, and the absolute gate alone decides. Gate: which gate decided the check."
+    "has no truth for it, and the absolute gate alone decides. Gate: which gate decided the check. "
+    "Impl vs contract (bf16): nRMSE / gain of the implementation against the float64 model of the "
+    "bf16 precision contract's roundings, where the gate `relative+contract` asks for it."
 )
+
+
+def _contract_error(metrics: dict[str, Any]) -> str:
+    """The implementation against the precision contract's model: `nRMSE / gain`; `n/a (why)` where the
+    check's mode asks for it and there is no model; empty where its mode does not ask for it."""
+    contract = metrics.get("contract", {})
+    if contract.get("available"):
+        numbers = f"{_number(contract['impl']['nrmse'])} / {contract['impl']['gain']:+.2g}"
+        return numbers if contract["gated"] else f"{numbers} (not gated: {contract['tokens']} tokens)"
+    if metrics.get("mode") == CONTRACT_MODE:
+        return f"n/a ({contract.get('reason', 'no model')})"
+    return ""
 
 
 def _truth_error(truth: dict[str, Any], side: str) -> str:
@@ -340,7 +358,16 @@ def _verdict(truth: dict[str, Any]) -> str:
 def attribution_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """The failed checks and those a side is clearly worse in, with both sides' errors against the
     truth; then one row counting each verdict over every compared check."""
-    header = ["check", "status", "gate", "gate ratio", "impl vs truth", "reference vs truth", "verdict"]
+    header = [
+        "check",
+        "status",
+        "gate",
+        "gate ratio",
+        "impl vs truth",
+        "reference vs truth",
+        "verdict",
+        "impl vs contract",
+    ]
     body, counts = [], dict.fromkeys([*VERDICTS, "n/a"], 0)
     for check in report["checks"]:
         metrics = check["metrics"]
@@ -359,8 +386,9 @@ def attribution_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]
                     _truth_error(truth, "impl"),
                     _truth_error(truth, "reference"),
                     _verdict(truth),
+                    _contract_error(metrics),
                 ]
             )
     tally = ", ".join(f"{n} {verdict}" for verdict, n in counts.items() if n)
-    body.append(["every compared check", "", "", "", "", "", tally or "none"])
+    body.append(["every compared check", "", "", "", "", "", tally or "none", ""])
     return header, body

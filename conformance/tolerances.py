@@ -14,8 +14,11 @@ from kda_spec.dump_format import DTYPES
 DEFAULT_POLICY_FILE = Path(__file__).with_name("tolerances.toml")
 _LIMIT_FIELDS = ("atol", "rtol", "max_nrmse", "nrmse_min_tokens")
 RELATIVE_FIELDS = ("factor", "margin_floor", "nrmse_floor")
-# Which gate decides a check: the absolute limits, the relative one (against the float64 truth), or both.
-GATE_MODES = ("absolute", "relative", "absolute+relative")
+CONTRACT_FIELDS = ("max_nrmse", "max_nrmse_fp32_stage", "max_gain", "min_tokens")
+# Which gate decides a check: the absolute limits, the relative one (against the float64 truth), both,
+# or the relative one and the bf16 precision contract (against the float64 model of its roundings).
+GATE_MODES = ("absolute", "relative", "absolute+relative", "relative+contract")
+CONTRACT_MODE = "relative+contract"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +79,36 @@ class RelativeLimits:
 
 
 @dataclasses.dataclass(frozen=True)
+class ContractLimits:
+    """The bf16 precision contract: the implementation against the float64 layer that rounds to bf16
+    exactly at the contract's points (docs/bf16-rounding.md). Its nRMSE against that model may be at
+    most `max_nrmse` for a stage the contract stores in bf16, `max_nrmse_fp32_stage` for one it keeps in
+    fp32 (g, beta, the recurrent states), and its gain (the error's component along the model,
+    `<x - m, m> / <m, m>`) at most `max_gain` in size. Both are whole-output statistics, gated where the
+    result comes from at least `min_tokens` tokens: a row or two holds too few roundings."""
+
+    max_nrmse: float
+    max_nrmse_fp32_stage: float
+    max_gain: float
+    min_tokens: int
+
+    def __post_init__(self) -> None:
+        for name in CONTRACT_FIELDS:
+            value = getattr(self, name)
+            if not (_is_finite_number(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+    def gates(self, tokens: int) -> bool:
+        return tokens >= self.min_tokens
+
+    def max_nrmse_of(self, fp32_stage: bool) -> float:
+        return self.max_nrmse_fp32_stage if fp32_stage else self.max_nrmse
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModeRule:
     check: str  # a check name or fnmatch pattern
     dtype: str
@@ -97,6 +130,7 @@ class TolerancePolicy:
     rfc: dict[str, Tolerance]  # by dtype: the RFC's numbers, reported only
     overrides: tuple[Override, ...]
     relative: dict[str, RelativeLimits]  # by dtype
+    contract: ContractLimits  # bf16 only: fp32 has no rounding point
     modes: tuple[ModeRule, ...]
     close_margin: float
     growth_factor: float
@@ -117,6 +151,7 @@ class TolerancePolicy:
                 rfc={dtype: _tolerance(data, "rfc", dtype) for dtype in DTYPES},
                 overrides=tuple(_override(entry, i) for i, entry in enumerate(data.get("override", []))),
                 relative={dtype: _relative(data, dtype) for dtype in DTYPES},
+                contract=_contract(data),
                 modes=tuple(_mode_rule(entry, i) for i, entry in enumerate(data.get("mode", []))),
                 close_margin=_non_negative(
                     _setting(data, "report", "close_margin", 0.5), "[report] close_margin"
@@ -154,6 +189,7 @@ class TolerancePolicy:
             "rfc": {dtype: tol.as_dict() for dtype, tol in self.rfc.items()},
             "overrides": [dataclasses.asdict(override) for override in self.overrides],
             "relative": {dtype: limits.as_dict() for dtype, limits in self.relative.items()},
+            "contract": {"bf16": self.contract.as_dict()},
             "modes": [dataclasses.asdict(rule) for rule in self.modes],
             "close_margin": self.close_margin,
             "growth_factor": self.growth_factor,
@@ -235,6 +271,25 @@ def _relative(data: dict[str, Any], dtype: str) -> RelativeLimits:
         raise ValueError(f"[relative.{dtype}]: {err}") from None
 
 
+def _contract(data: dict[str, Any]) -> ContractLimits:
+    block = data.get("contract", {})
+    extra = sorted(set(block) - {"bf16"}) if isinstance(block, dict) else []
+    if extra:
+        raise ValueError(f"[contract]: only [contract.bf16] (fp32 has no rounding point); found {extra}")
+    entry = block.get("bf16") if isinstance(block, dict) else None
+    if not isinstance(entry, dict):
+        raise KeyError("missing table [contract.bf16]")
+    missing, unknown = sorted(set(CONTRACT_FIELDS) - set(entry)), sorted(set(entry) - set(CONTRACT_FIELDS))
+    if missing or unknown:
+        raise ValueError(
+            f"[contract.bf16]: needs {list(CONTRACT_FIELDS)}; missing {missing}, unknown {unknown}"
+        )
+    try:
+        return ContractLimits(**entry)
+    except ValueError as err:
+        raise ValueError(f"[contract.bf16]: {err}") from None
+
+
 def _mode_rule(entry: Any, index: int) -> ModeRule:
     label = f"mode[{index}]"
     if not isinstance(entry, dict):
@@ -251,6 +306,11 @@ def _mode_rule(entry: Any, index: int) -> ModeRule:
     if entry.get("mode") not in GATE_MODES:
         raise ValueError(
             f"{label} ({entry['check']!r}): 'mode' must be one of {GATE_MODES}, got {entry.get('mode')!r}"
+        )
+    if entry["mode"] == CONTRACT_MODE and entry["dtype"] != "bf16":
+        raise ValueError(
+            f"{label} ({entry['check']!r}): mode {CONTRACT_MODE!r} is for dtype 'bf16' only (the precision "
+            f"contract's rounding points are bf16 roundings), got {entry['dtype']!r}"
         )
     if not str(entry.get("reason", "")).strip():
         raise ValueError(f"{label} ({entry['check']!r}): a mode rule needs a written 'reason'")

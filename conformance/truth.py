@@ -23,6 +23,7 @@ from conformance.reader import CaseData
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig
 from kda_spec.truth import (
+    bf16_contract_rounding,
     l2_normalised,
     layer_truth,
     packed_delta_rule,
@@ -35,6 +36,15 @@ COMPUTED_LAYER_TRUTH_SOURCE = "float64 layer (kda_spec.truth) computed here on t
 # The checker computes a case's layer truth itself up to this many tokens: every [T, H, D] float64
 # array of it is 128 MiB at T = 4096 and the real size, and the layer holds about a dozen.
 COMPUTE_MAX_TOKENS = 4096
+
+
+CONTRACT_SOURCE = (
+    "float64 layer (kda_spec.truth) rounding to bf16 at the precision contract's points, computed here "
+    "on the dumped inputs and weights"
+)
+# The results the precision contract keeps in fp32 in a bf16 run (docs/bf16-rounding.md); every other
+# result (the conv outputs, g_out, o_norm, out) it stores in bf16.
+FP32_STAGES = ("g", "beta", "recurrent_state")
 
 
 class NoTruth(Exception):
@@ -68,6 +78,29 @@ def computed_layer_truth(
         case.cu_seqlens,
         case.initial_state,
         config,
+    )
+
+
+def computed_contract_model(
+    case: CaseData, weights: Mapping[str, np.ndarray], config: KDAConfig
+) -> dict[str, np.ndarray]:
+    """The bf16 precision contract's float64 model of every layer result of the bf16 run of `case`, by
+    result name: the layer in float64 rounding to bf16 exactly at the contract's points
+    (`kda_spec.truth._layer`), on the dump's hidden states and float32 `weights` as the bf16 run sees
+    them; `NoTruth` for a case longer than `COMPUTE_MAX_TOKENS`."""
+    tokens = case.info.total_tokens
+    if tokens > COMPUTE_MAX_TOKENS:
+        raise NoTruth(
+            f"the case has {tokens} tokens, more than the {COMPUTE_MAX_TOKENS} the checker computes the "
+            "precision contract's model for"
+        )
+    return layer_truth(
+        run_weights(weights, "bf16"),
+        run_hidden_states(case.hidden_states, "bf16"),
+        case.cu_seqlens,
+        case.initial_state,
+        config,
+        rounded=bf16_contract_rounding,
     )
 
 

@@ -159,12 +159,14 @@ def layer_truth(
     initial_state: np.ndarray | None,
     config: KDAConfig,
     dtype: type[np.floating] = np.float64,
+    rounded: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """The layer on one packed batch, every step in `dtype`: `out` [T, hidden], `recurrent_state`
     [N, H, D, D] and the dump's intermediates (`q_after_conv` ... `o_norm`), by their dump names.
 
     `weights` by HF name (kda_spec.weight_names), `hidden_states` [T, hidden], `cu_seqlens` [N+1],
     `initial_state` [N, H, D, D] or None (zeros); whatever their dtype, they are converted exactly.
+    `rounded`: applied at the precision contract's bf16 rounding points (`_layer`); None rounds nowhere.
     """
     w = {name: np.asarray(array, dtype) for name, array in weights.items()}
     spans = list(itertools.pairwise(np.asarray(cu_seqlens).tolist()))
@@ -174,7 +176,12 @@ def layer_truth(
     ) -> tuple[np.ndarray, np.ndarray]:
         return packed_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state)
 
-    return _layer(w, np.asarray(hidden_states, dtype), spans, 0, recurrence, config)
+    return _layer(w, np.asarray(hidden_states, dtype), spans, 0, recurrence, config, rounded or _exact)
+
+
+def bf16_contract_rounding(array: np.ndarray) -> np.ndarray:
+    """`array` rounded to bf16 (via float32, as an fp32 pipeline rounds it), back in its own dtype."""
+    return bf16_rounded(array).astype(array.dtype)
 
 
 # A long case's truth of the output and the final states is computed this many tokens at a time, so
@@ -230,6 +237,10 @@ Recurrence = Callable[
 ]
 
 
+def _exact(array: np.ndarray) -> np.ndarray:
+    return array
+
+
 def _layer(
     w: Mapping[str, np.ndarray],
     x: np.ndarray,
@@ -237,30 +248,39 @@ def _layer(
     skip: int,
     recurrence: Recurrence,
     config: KDAConfig,
+    rounded: Callable[[np.ndarray], np.ndarray] = _exact,
 ) -> dict[str, np.ndarray]:
     """The layer's math on the rows `x[skip:]` of `x` [T, hidden], `x[:skip]` being only the short conv's
     context; `spans` the sequences of `x`, each from a zero conv state; `recurrence(q, k, v, g, beta)`
     the delta rule from the right initial states, returning (o, final states). Every result by its dump
-    name: `out`, `recurrent_state` (what `recurrence` returns) and the intermediates."""
+    name: `out`, `recurrent_state` (what `recurrence` returns) and the intermediates.
+
+    `rounded` is applied at each bf16 rounding point of the precision contract (docs/bf16-rounding.md):
+    every projection's output, the conv after silu, the kernel output o, the gated norm's output and
+    `out`; beta's sigmoid, the gate g, the l2 norm and the recurrence take the rounded values exactly.
+    The truth rounds nowhere (`_exact`); `bf16_contract_truth` rounds to bf16."""
     heads, dim = config.num_heads, config.head_dim
     tokens = x.shape[0] - skip
 
     def per_head(a: np.ndarray) -> np.ndarray:
         return a.reshape(tokens, heads, dim)
 
+    def projected(a: np.ndarray, name: str) -> np.ndarray:
+        return rounded(a @ w[f"{name}.weight"].T)
+
     q, k, v = (
-        per_head(short_conv(x @ w[f"{n}_proj.weight"].T, w[f"{n}_conv1d.weight"], spans)[skip:])
+        per_head(rounded(short_conv(projected(x, f"{n}_proj"), w[f"{n}_conv1d.weight"], spans))[skip:])
         for n in "qkv"
     )
     x = x[skip:]
-    f = per_head((x @ w["f_a_proj.weight"].T) @ w["f_b_proj.weight"].T + w["dt_bias"])
+    f = per_head(projected(projected(x, "f_a_proj"), "f_b_proj") + w["dt_bias"])
     g = -np.exp(w["A_log"].reshape(heads, 1)) * softplus(f)
-    beta = sigmoid(x @ w["b_proj.weight"].T)
-    g_out = per_head((x @ w["g_a_proj.weight"].T) @ w["g_b_proj.weight"].T)
+    beta = sigmoid(projected(x, "b_proj"))
+    g_out = per_head(projected(projected(x, "g_a_proj"), "g_b_proj"))
     o, states = recurrence(l2_normalised(q), l2_normalised(k), v, g, beta)
-    o_norm = gated_rms_norm(o, g_out, w["o_norm.weight"], config.rms_norm_eps)
+    o_norm = rounded(gated_rms_norm(rounded(o), g_out, w["o_norm.weight"], config.rms_norm_eps))
     return {
-        "out": o_norm.reshape(tokens, heads * dim) @ w["o_proj.weight"].T,
+        "out": projected(o_norm.reshape(tokens, heads * dim), "o_proj"),
         "recurrent_state": states,
         "q_after_conv": q,
         "k_after_conv": k,

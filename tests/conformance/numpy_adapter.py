@@ -63,7 +63,8 @@ class NumpyCarry:
 
 
 class NumpyAdapter(KDAAdapter):
-    """kda-layer.md in numpy; the bf16 run rounds where a bf16 serving stack would."""
+    """kda-layer.md in numpy; the bf16 run rounds at the precision contract's points
+    (docs/bf16-rounding.md)."""
 
     name = "numpy-reference"
 
@@ -96,8 +97,7 @@ class NumpyAdapter(KDAAdapter):
         width = kernel.shape[1]
         padded = np.concatenate([state, u], axis=0)
         y = np.stack([np.sum(padded[t : t + width] * kernel.T, axis=0) for t in range(u.shape[0])])
-        y = self.cast(y)
-        return self.cast(y / (1 + np.exp(-y))), padded[-(width - 1) :]
+        return self.cast(y / (1 + np.exp(-y))), padded[-(width - 1) :]  # silu in fp32, one rounding
 
     def conv_packed(self, u: np.ndarray, cu_seqlens: np.ndarray, states: np.ndarray):
         out, new_states = np.zeros_like(u), np.zeros_like(states)

@@ -39,6 +39,12 @@ EXPECTATIONS = {
         {"layer", "decode-k1", "decode-k8"},
         {"o_norm", "layer-state", "decode-k8-self"},
     ),
+    # golden's reference (transformers) rounds beta to bf16 too: the precision contract catches it.
+    broken_adapters.BetaInBf16: (
+        ("T65", "bf16"),
+        {"beta", "layer", "layer-state"},
+        {"q_after_conv", "g", "g_out", "kernel-chunk"},
+    ),
 }
 
 

@@ -136,3 +136,30 @@ def test_cli_exit_2_on_bad_input(truth_dumps: Path, tmp_path: Path, capsys, extr
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "power.json").exists()
+
+
+def test_the_comparison_names_how_close_to_its_limit_an_earlier_absolute_catch_already_was() -> None:
+    def row(defect: str, default: float, absolute: float, caught_by: str) -> dict:
+        return {
+            "defect": defect,
+            "dtype": "bf16",
+            "measured": True,
+            "structural": False,
+            "default": {"eps": default, "below": None, "caught_by": "T65:layer"},
+            "absolute": {"eps": absolute, "below": None, "caught_by": caught_by},
+        }
+
+    result = {
+        "baseline": {"bf16": {"ratios": {"absolute": {"T65:decode-k8": 0.963}, "default": {}}}},
+        "rows": [row("scale:a", 1e-4, 2e-6, "T65:decode-k8"), row("scale:b", 1e-5, 1e-3, "T65:g")],
+    }
+    assert power.comparison_line(result) == (
+        "default policy at least as powerful as the absolute gate in 1 of 2 rows; weaker in: "
+        "scale:a (bf16) [T65:decode-k8 at 0.96 of its limit without it]"
+    )
+
+
+def test_the_baseline_records_every_compared_check_ratio(meter: PowerMeter) -> None:
+    outcome = meter.evaluate("fp32", Injection(), {"T8": ["layer", "g"]})
+    assert set(outcome.ratios["absolute"]) == set(outcome.ratios["default"]) == {"T8:layer", "T8:g"}
+    assert all(0 <= r < 1 for ratios in outcome.ratios.values() for r in ratios.values())

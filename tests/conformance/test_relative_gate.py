@@ -61,7 +61,9 @@ def test_the_default_policy_gates_intermediates_and_bf16_relatively_and_fp32_out
         "chunked-prefill",
     ):
         assert policy.mode(check, "fp32") == "absolute+relative", check
-        assert policy.mode(check, "bf16") == "relative", check
+        # bf16: relative, and the layer's results also by the precision contract (test_contract.py)
+        bf16_mode = "relative" if check.startswith("kernel") else "relative+contract"
+        assert policy.mode(check, "bf16") == bf16_mode, check
     assert policy.relative["fp32"] == RelativeLimits(2.0, 0.5, 2e-7)
     assert policy.relative["bf16"] == RelativeLimits(2.0, 0.5, 1e-4)
     assert policy.gate["fp32"].atol == 1e-5  # the absolute numbers are unchanged
@@ -221,7 +223,8 @@ def test_the_gate_refuses_an_unknown_mode(tmp_path: Path) -> None:
     write_json(_report([check]), path)
     with pytest.raises(
         ReportError,
-        match=r"'mode' must be one of \['absolute', 'relative', 'absolute\+relative'\], found 'lenient'",
+        match=r"'mode' must be one of \['absolute', 'relative', 'absolute\+relative', "
+        r"'relative\+contract'\], found 'lenient'",
     ):
         load_report(path)
 
@@ -287,7 +290,7 @@ def test_kda_impl_holds_on_a_set_with_truth_under_the_default_policy(truth_dumps
         if not comparison.passed:
             failed.append(f"{spec.id}: {comparison.summary()}")
     assert failed == []
-    assert judged == {"relative", "absolute+relative"}
+    assert judged == {"relative", "absolute+relative", "relative+contract"}
 
 
 def test_a_policy_can_gate_everything_absolutely(truth_dumps: Path) -> None:

@@ -1,0 +1,203 @@
+"""The bf16 precision contract: its float64 model, its two measures (nRMSE and gain), how it decides a
+check in the `relative+contract` mode, that `gate` recomputes it, and its policy's validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from conformance.adapters.kda_impl_adapter import KDAImplAdapter
+from conformance.checks import CheckRunner, CheckSpec
+from conformance.diff import run_stages, table_lines
+from conformance.gate import breaches
+from conformance.metrics import Comparison, attribute, compare, contract_check, error_vs_contract, judge
+from conformance.reader import DumpSet
+from conformance.report import REPORT_FORMAT, REPORT_VERSION, Record
+from conformance.tolerances import (
+    CONTRACT_MODE,
+    DEFAULT_POLICY_FILE,
+    ContractLimits,
+    RelativeLimits,
+    Tolerance,
+    TolerancePolicy,
+)
+from conformance.truth import FP32_STAGES, computed_contract_model
+from tests.conformance import broken_adapters
+
+GOLDEN = Path(__file__).resolve().parents[2] / "golden"
+BF16, RFC = Tolerance(atol=1e-2, rtol=1e-2), Tolerance(atol=1e-3, rtol=1e-3)
+RELATIVE = RelativeLimits(factor=2.0, margin_floor=0.5, nrmse_floor=1e-4)
+LIMITS = ContractLimits(max_nrmse=2e-3, max_nrmse_fp32_stage=5e-4, max_gain=1e-4, min_tokens=32)
+MODEL = np.random.default_rng(0).normal(size=(64, 48))
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+# ------------------------------------------------------------------------------------ the model
+
+
+def test_the_model_rounds_every_bf16_stage_and_keeps_the_fp32_ones() -> None:
+    dumps = DumpSet(str(GOLDEN))
+    case = dumps.case("T65")
+    model = computed_contract_model(case, dumps.weights(), dumps.config)
+    for name, value in model.items():
+        on_the_bf16_grid = bool(np.all(_bf16(value) == value))
+        assert on_the_bf16_grid == (name not in FP32_STAGES), name
+
+
+def test_kda_impl_matches_the_model_almost_bit_for_bit_on_golden() -> None:
+    """The evidence behind the limits: every stage of kda_impl's bf16 run is within a few one-ulp flips."""
+    dumps = DumpSet(str(GOLDEN))
+    runner = CheckRunner(dumps, KDAImplAdapter, "auto", TolerancePolicy.load())
+    comparison = runner.run(CheckSpec("T65", "bf16", "q_after_conv"))
+    assert comparison.contract is not None and comparison.contract.impl.nrmse == 0.0
+    layer = runner.run(CheckSpec("T65", "bf16", "layer"))
+    assert layer.contract.gated and layer.contract.impl.nrmse < 0.25 * LIMITS.max_nrmse
+    assert abs(layer.contract.impl.gain) < 0.1 * LIMITS.max_gain
+    # transformers, golden's reference, rounds the conv twice: it is recorded, and does not decide.
+    assert comparison.contract.reference.nrmse > LIMITS.max_nrmse and comparison.passed
+
+
+# ---------------------------------------------------------------------------------- the measures
+
+
+def test_the_gain_of_a_scaled_result_is_the_scale_and_independent_roundings_have_none() -> None:
+    assert error_vs_contract(MODEL * (1 + 3e-4), MODEL).gain == pytest.approx(3e-4, rel=1e-9)
+    rounded = error_vs_contract(_bf16(MODEL), MODEL)
+    assert rounded.nrmse > 1e-3 and abs(rounded.gain) < 1e-4
+    nan = MODEL.copy()
+    nan[1, 2] = np.nan
+    assert error_vs_contract(nan, MODEL).nrmse == np.inf
+
+
+def _contract_judged(actual: np.ndarray, tokens: int = 64, fp32_stage: bool = False) -> Comparison:
+    reference = _bf16(MODEL)
+    comparison = compare(actual, reference, BF16, RFC, ("token", "channel"))
+    attribution = attribute(actual, reference, MODEL, "t", BF16, RELATIVE, bool(comparison.absolute_failures))
+    contract = contract_check(actual, reference, MODEL, "t", LIMITS, fp32_stage, tokens)
+    return judge(comparison, CONTRACT_MODE, attribution, contract=contract)
+
+
+def test_a_scale_below_the_relative_gate_fails_the_contract_by_its_gain() -> None:
+    judged = _contract_judged(MODEL * (1 + 5e-4))
+    assert not judged.attribution.relative_failures and judged.judged_by == CONTRACT_MODE
+    assert not judged.passed and judged.failures == [
+        "precision contract: gain vs the contract's model +0.0005, |gain| > 0.0001"
+    ]
+    assert judged.gate_ratio == pytest.approx(5.0)
+
+
+def test_a_rounding_the_contract_does_not_have_fails_an_fp32_stage_by_its_nrmse() -> None:
+    judged = _contract_judged(_bf16(MODEL), fp32_stage=True)
+    assert not judged.passed and "nRMSE vs the contract's model" in judged.failures[0]
+    assert _contract_judged(_bf16(MODEL), fp32_stage=False).passed  # the same rounding in a bf16 stage
+
+
+def test_the_contract_is_not_gated_below_min_tokens_nor_without_a_model() -> None:
+    few = _contract_judged(MODEL * (1 + 5e-4), tokens=8)
+    assert few.passed and not few.contract.gated and few.contract.ratio == 0.0
+    comparison = compare(MODEL * (1 + 5e-4), _bf16(MODEL), BF16, RFC, ("token", "channel"))
+    attribution = attribute(MODEL * (1 + 5e-4), _bf16(MODEL), MODEL, "t", BF16, RELATIVE, False)
+    alone = judge(comparison, CONTRACT_MODE, attribution, no_contract="the case has 8704 tokens")
+    assert alone.passed and alone.judged_by == "relative"
+    assert alone.as_dict()["contract"] == {"available": False, "reason": "the case has 8704 tokens"}
+
+
+def test_golden_catches_beta_rounded_to_bf16_although_its_reference_rounds_it_too() -> None:
+    runner = CheckRunner(DumpSet(str(GOLDEN)), broken_adapters.BetaInBf16, "auto", TolerancePolicy.load())
+    beta = runner.run(CheckSpec("T65", "bf16", "beta"))
+    assert beta.attribution.verdict == "conditioning" and not beta.attribution.relative_failures
+    assert not beta.passed and beta.failures[0].startswith("precision contract: nRMSE")
+
+
+# ------------------------------------------------------------------------------------------ gate
+
+
+def _report(check: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "format": REPORT_FORMAT,
+        "version": REPORT_VERSION,
+        "dumps": {"manifest_sha256": "a" * 64},
+        "checks": [check],
+    }
+
+
+def _passed_record() -> dict[str, Any]:
+    comparison = _contract_judged(MODEL * (1 + 5e-5))
+    assert comparison.passed
+    return Record(CheckSpec("T65", "bf16", "layer"), "passed", "", 0.1, comparison).as_dict(0.5)
+
+
+@pytest.mark.parametrize(
+    ("tamper", "reason"),
+    [
+        (lambda c: c["impl"].update(gain=-3e-4), "|gain| vs the contract's model 0.0003 > 0.0001"),
+        (lambda c: c["impl"].update(nrmse=0.01), "nRMSE vs the contract's model 0.01 > 0.002"),
+        (lambda c: c.update(fp32_stage=True, impl={"nrmse": 1e-3, "gain": 0.0}), "0.001 > 0.0005"),
+        (lambda c: c["limits"].update(max_gain=0), "recorded contract limits"),
+    ],
+)
+def test_the_gate_recomputes_the_contract_from_the_recorded_numbers(tamper, reason: str) -> None:
+    check = _passed_record()
+    assert breaches(_report(check)) == []
+    tamper(check["metrics"]["contract"])
+    found = breaches(_report(check))
+    assert len(found) == 1 and reason in found[0], found
+
+
+def test_the_gate_does_not_gate_a_contract_recorded_over_too_few_tokens() -> None:
+    check = _passed_record()
+    check["metrics"]["contract"].update(tokens=8, impl={"nrmse": 1.0, "gain": 1.0})
+    assert breaches(_report(check)) == []
+
+
+# ---------------------------------------------------------------------------------------- policy
+
+
+def _policy_file(tmp_path: Path, old: str, new: str) -> Path:
+    text = DEFAULT_POLICY_FILE.read_text()
+    assert old in text
+    path = tmp_path / "policy.toml"
+    path.write_text(text.replace(old, new, 1))
+    return path
+
+
+def test_the_default_policy_holds_the_layer_results_of_bf16_to_the_contract() -> None:
+    policy = TolerancePolicy.load()
+    assert policy.contract == LIMITS
+    for check in ("layer", "layer-state", "q_after_conv", "beta", "decode-k8", "chunked-prefill"):
+        assert policy.mode(check, "bf16") == CONTRACT_MODE, check
+        assert policy.mode(check, "fp32") != CONTRACT_MODE, check
+    assert policy.mode("kernel-chunk", "bf16") == "relative"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ("max_gain = 1e-4", "max_gain = 0", r"\[contract.bf16\]: max_gain must be a finite number > 0"),
+        ("max_gain = 1e-4", "max_gains = 1e-4", r"missing \['max_gain'\], unknown \['max_gains'\]"),
+        ("[contract.bf16]", "[contract.fp32]", r"only \[contract.bf16\]"),
+        (
+            'check = "kernel-*"\ndtype = "bf16"\nmode = "relative"',
+            'check = "kernel-*"\ndtype = "fp32"\nmode = "relative+contract"',
+            r"mode 'relative\+contract' is for dtype 'bf16' only",
+        ),
+    ],
+)
+def test_a_bad_contract_policy_names_the_entry(tmp_path: Path, old: str, new: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TolerancePolicy.load(_policy_file(tmp_path, old, new))
+
+
+def test_diff_names_the_first_stage_off_the_contract() -> None:
+    runner = CheckRunner(DumpSet(str(GOLDEN)), broken_adapters.BetaInBf16, "auto", TolerancePolicy.load())
+    lines = table_lines(run_stages(runner, "T65", "bf16"))
+    assert lines[-1].startswith("first stage off the precision contract: gate/beta (beta): nRMSE vs")
+    conv = next(line for line in lines if line.startswith("conv") and "q_after_conv" in line)
+    assert " 0 / +0 " in conv  # bit-exact against the contract's model, as kda_impl itself
