@@ -243,16 +243,23 @@ class CheckRunner:
         if mode != CONTRACT_MODE:
             return judge(comparison, mode, attribution)
         try:
-            contract = self.contract(case, spec, actual, expected, positions)
+            contract = self.contract(case, spec, actual, expected, truth_value, positions)
         except NoTruth as missing:
             return judge(comparison, mode, attribution, no_contract=str(missing))
         return judge(comparison, mode, attribution, contract=contract)
 
     def contract(
-        self, case: CaseData, spec: CheckSpec, actual: np.ndarray, expected: np.ndarray, positions: dict
+        self,
+        case: CaseData,
+        spec: CheckSpec,
+        actual: np.ndarray,
+        expected: np.ndarray,
+        truth: np.ndarray,
+        positions: dict,
     ) -> ContractCheck:
-        """The check's two sides against the bf16 precision contract's float64 model of its result;
-        `NoTruth` when there is none (a kernel check, a case too long to compute it for)."""
+        """The check's two sides against the bf16 precision contract's float64 model of its result (and
+        the model against the check's `truth`); `NoTruth` when there is none (a kernel check, a case too
+        long to compute it for)."""
         if spec.check in KERNEL_CHECKS:
             raise NoTruth("the precision contract has no rounding point inside the kernels")
         name = truth_name(spec.check)
@@ -265,7 +272,7 @@ class CheckRunner:
             model = model[positions["token"]]
             tokens = len(positions["token"])
         limits, fp32_stage = self.policy.contract, name in FP32_STAGES
-        return contract_check(actual, expected, model, CONTRACT_SOURCE, limits, fp32_stage, tokens)
+        return contract_check(actual, expected, model, truth, CONTRACT_SOURCE, limits, fp32_stage, tokens)
 
     def by_position(self, case: CaseData, spec: CheckSpec) -> Comparison:
         """A long case's output (its prefill, or its prefill then decode steps) against the reference and

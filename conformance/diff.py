@@ -174,7 +174,9 @@ def _against_contract(c: Comparison) -> str:
     if c.contract is None:
         return ""
     text = f"{c.contract.impl.nrmse:.3g} / {c.contract.impl.gain:+.2g}"
-    return text if not c.contract.failures else f"{text} OUT"
+    if c.contract.failures:
+        return f"{text} OUT"
+    return f"{text} exempt" if c.contract.gated and c.contract.closer else text
 
 
 def first_leaving_contract(results: list[StageResult]) -> StageResult | None:

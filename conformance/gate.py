@@ -110,6 +110,8 @@ def _passed_metrics(metrics: dict[str, Any], label: str) -> dict[str, Any]:
         if not isinstance(recorded, dict) or not isinstance(recorded.get("available"), bool):
             raise ReportError(f"{label}: metrics 'contract' must be an object with 'available' true or false")
         contract = _contract_numbers(recorded, f"{label}: contract") if recorded["available"] else None
+        if contract is not None and relative is not None:
+            contract["impl_truth_nrmse"] = relative["impl_nrmse"]
     # The gates that decide, recomputed: the relative one needs a truth, the contract its model
     # (docs/tolerance-policy.md).
     if relative is None:
@@ -141,15 +143,28 @@ def _contract_numbers(contract: dict[str, Any], label: str) -> dict[str, float]:
     numbers = {f"impl_{key}": _number(impl, key, f"{label}: impl") for key in ("nrmse", "gain")}
     numbers |= {key: _number(limits, key, f"{label}: limits") for key in CONTRACT_FIELDS}
     numbers["tokens"] = _number(contract, "tokens", label)
+    truth_nrmse = contract.get("truth_nrmse")
+    if not isinstance(truth_nrmse, dict):
+        raise ReportError(f"{label}: 'truth_nrmse' must be an object, found {truth_nrmse!r}")
+    numbers["model_truth_nrmse"] = _number(truth_nrmse, "model", f"{label}: truth_nrmse")
     return numbers | {"fp32_stage": fp32_stage}
 
 
 def _contract_verdict(c: dict[str, Any]) -> tuple[list[str], float]:
     """The precision contract recomputed from the recorded numbers and limits: reasons, ratio."""
-    if not all(0 < c[key] < math.inf for key in CONTRACT_FIELDS) or not c["tokens"] >= 0:
+    if (
+        not all(0 < c[key] < math.inf for key in CONTRACT_FIELDS)
+        or not c["tokens"] >= 0
+        or c["closer_factor"] < 1
+    ):
         recorded = [c[key] for key in CONTRACT_FIELDS]
-        return [f"recorded contract limits {recorded} are not finite numbers > 0"], math.nan
+        reason = f"recorded contract limits {recorded} are not finite numbers > 0 (closer_factor >= 1)"
+        return [reason], math.nan
     if c["tokens"] < c["min_tokens"]:  # gated over enough tokens only
+        return [], 0.0
+    # Closer to the truth than the model (the implementation's nRMSE against the truth from the
+    # relative gate's record of the same check): it rounds less than the contract, not worse.
+    if c["impl_truth_nrmse"] * c["closer_factor"] <= c["model_truth_nrmse"]:
         return [], 0.0
     max_nrmse = c["max_nrmse_fp32_stage"] if c["fp32_stage"] else c["max_nrmse"]
     reasons = []

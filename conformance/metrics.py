@@ -169,6 +169,13 @@ class ContractCheck:
     limits: ContractLimits
     fp32_stage: bool  # the contract keeps this result in fp32 (g, beta, states): the tighter nRMSE limit
     tokens: int  # the tokens the result comes from: it is gated from `limits.min_tokens` on
+    impl_truth_nrmse: float  # the implementation's nRMSE against the float64 truth
+    model_truth_nrmse: float  # the model's own: what the contract's roundings cost
+
+    @property
+    def closer(self) -> bool:
+        """The implementation is `closer_factor` times closer to the truth than the model: exempt."""
+        return self.impl_truth_nrmse * self.limits.closer_factor <= self.model_truth_nrmse
 
     @property
     def max_nrmse(self) -> float:
@@ -181,7 +188,7 @@ class ContractCheck:
     @property
     def failures(self) -> list[str]:
         reasons = []
-        if not self.gated:
+        if not self.gated or self.closer:
             return reasons
         if not self.impl.nrmse <= self.max_nrmse:
             reasons.append(f"nRMSE vs the contract's model {self.impl.nrmse:.3g} > {self.max_nrmse:g}")
@@ -193,8 +200,8 @@ class ContractCheck:
 
     @property
     def ratio(self) -> float:
-        """The larger criterion as a share of its limit (<= 1 holds); 0 where it is not gated."""
-        if not self.gated:
+        """The larger criterion as a share of its limit (<= 1 holds); 0 where it is not gated or exempt."""
+        if not self.gated or self.closer:
             return 0.0
         return max(self.impl.nrmse / self.max_nrmse, abs(self.impl.gain) / self.limits.max_gain)
 
@@ -208,6 +215,8 @@ class ContractCheck:
             "fp32_stage": self.fp32_stage,
             "tokens": self.tokens,
             "gated": self.gated,
+            "truth_nrmse": {"impl": self.impl_truth_nrmse, "model": self.model_truth_nrmse},
+            "closer": self.closer,
             "max_nrmse": self.max_nrmse,
             "ratio": self.ratio,
             "failures": self.failures,
@@ -218,13 +227,14 @@ def contract_check(
     actual: np.ndarray,
     expected: np.ndarray,
     model: np.ndarray,
+    truth: np.ndarray,
     source: str,
     limits: ContractLimits,
     fp32_stage: bool,
     tokens: int,
 ) -> ContractCheck:
     """Both sides of a check against the contract's float64 `model` (where it comes from: `source`) of a
-    result that `tokens` tokens produced."""
+    result that `tokens` tokens produced; the implementation and the model against the float64 `truth`."""
     return ContractCheck(
         source=source,
         impl=error_vs_contract(actual, model),
@@ -232,6 +242,8 @@ def contract_check(
         limits=limits,
         fp32_stage=fp32_stage,
         tokens=tokens,
+        impl_truth_nrmse=error_vs_contract(actual, truth).nrmse,
+        model_truth_nrmse=error_vs_contract(model, truth).nrmse,
     )
 
 

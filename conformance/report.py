@@ -337,7 +337,9 @@ def _contract_error(metrics: dict[str, Any]) -> str:
     contract = metrics.get("contract", {})
     if contract.get("available"):
         numbers = f"{_number(contract['impl']['nrmse'])} / {contract['impl']['gain']:+.2g}"
-        return numbers if contract["gated"] else f"{numbers} (not gated: {contract['tokens']} tokens)"
+        if not contract["gated"]:
+            return f"{numbers} (not gated: {contract['tokens']} tokens)"
+        return f"{numbers} (exempt: closer to the truth than the model)" if contract["closer"] else numbers
     if metrics.get("mode") == CONTRACT_MODE:
         return f"n/a ({contract.get('reason', 'no model')})"
     return ""

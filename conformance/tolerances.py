@@ -14,7 +14,7 @@ from kda_spec.dump_format import DTYPES
 DEFAULT_POLICY_FILE = Path(__file__).with_name("tolerances.toml")
 _LIMIT_FIELDS = ("atol", "rtol", "max_nrmse", "nrmse_min_tokens")
 RELATIVE_FIELDS = ("factor", "margin_floor", "nrmse_floor")
-CONTRACT_FIELDS = ("max_nrmse", "max_nrmse_fp32_stage", "max_gain", "min_tokens")
+CONTRACT_FIELDS = ("max_nrmse", "max_nrmse_fp32_stage", "max_gain", "min_tokens", "closer_factor")
 # Which gate decides a check: the absolute limits, the relative one (against the float64 truth), both,
 # or the relative one and the bf16 precision contract (against the float64 model of its roundings).
 GATE_MODES = ("absolute", "relative", "absolute+relative", "relative+contract")
@@ -85,18 +85,23 @@ class ContractLimits:
     most `max_nrmse` for a stage the contract stores in bf16, `max_nrmse_fp32_stage` for one it keeps in
     fp32 (g, beta, the recurrent states), and its gain (the error's component along the model,
     `<x - m, m> / <m, m>`) at most `max_gain` in size. Both are whole-output statistics, gated where the
-    result comes from at least `min_tokens` tokens: a row or two holds too few roundings."""
+    result comes from at least `min_tokens` tokens: a row or two holds too few roundings. A result
+    `closer_factor` times closer to the float64 truth (nRMSE) than the model itself is exempt: it rounds
+    less than the contract, not worse."""
 
     max_nrmse: float
     max_nrmse_fp32_stage: float
     max_gain: float
     min_tokens: int
+    closer_factor: float
 
     def __post_init__(self) -> None:
         for name in CONTRACT_FIELDS:
             value = getattr(self, name)
             if not (_is_finite_number(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.closer_factor < 1:
+            raise ValueError(f"closer_factor must be >= 1, got {self.closer_factor!r}")
 
     def gates(self, tokens: int) -> bool:
         return tokens >= self.min_tokens
