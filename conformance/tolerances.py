@@ -135,7 +135,7 @@ class TolerancePolicy:
     rfc: dict[str, Tolerance]  # by dtype: the RFC's numbers, reported only
     overrides: tuple[Override, ...]
     relative: dict[str, RelativeLimits]  # by dtype
-    contract: ContractLimits  # bf16 only: fp32 has no rounding point
+    contract: ContractLimits | None  # bf16 only (fp32 has no rounding point); None: no rule uses it
     modes: tuple[ModeRule, ...]
     close_margin: float
     growth_factor: float
@@ -151,13 +151,14 @@ class TolerancePolicy:
         except (OSError, tomllib.TOMLDecodeError) as err:
             raise ValueError(f"{path}: cannot read the tolerance policy ({err})") from None
         try:
+            modes = tuple(_mode_rule(entry, i) for i, entry in enumerate(data.get("mode", [])))
             return cls(
                 gate={dtype: _tolerance(data, "gate", dtype) for dtype in DTYPES},
                 rfc={dtype: _tolerance(data, "rfc", dtype) for dtype in DTYPES},
                 overrides=tuple(_override(entry, i) for i, entry in enumerate(data.get("override", []))),
                 relative={dtype: _relative(data, dtype) for dtype in DTYPES},
-                contract=_contract(data),
-                modes=tuple(_mode_rule(entry, i) for i, entry in enumerate(data.get("mode", []))),
+                contract=_contract(data, any(rule.mode == CONTRACT_MODE for rule in modes)),
+                modes=modes,
                 close_margin=_non_negative(
                     _setting(data, "report", "close_margin", 0.5), "[report] close_margin"
                 ),
@@ -194,7 +195,7 @@ class TolerancePolicy:
             "rfc": {dtype: tol.as_dict() for dtype, tol in self.rfc.items()},
             "overrides": [dataclasses.asdict(override) for override in self.overrides],
             "relative": {dtype: limits.as_dict() for dtype, limits in self.relative.items()},
-            "contract": {"bf16": self.contract.as_dict()},
+            "contract": {"bf16": self.contract.as_dict()} if self.contract else {},
             "modes": [dataclasses.asdict(rule) for rule in self.modes],
             "close_margin": self.close_margin,
             "growth_factor": self.growth_factor,
@@ -276,14 +277,18 @@ def _relative(data: dict[str, Any], dtype: str) -> RelativeLimits:
         raise ValueError(f"[relative.{dtype}]: {err}") from None
 
 
-def _contract(data: dict[str, Any]) -> ContractLimits:
+def _contract(data: dict[str, Any], used: bool) -> ContractLimits | None:
+    """`[contract.bf16]`; it may be left out (None) by a policy in which no rule uses the contract mode,
+    such as one written before it."""
     block = data.get("contract", {})
     extra = sorted(set(block) - {"bf16"}) if isinstance(block, dict) else []
     if extra:
         raise ValueError(f"[contract]: only [contract.bf16] (fp32 has no rounding point); found {extra}")
     entry = block.get("bf16") if isinstance(block, dict) else None
+    if entry is None and not used:
+        return None
     if not isinstance(entry, dict):
-        raise KeyError("missing table [contract.bf16]")
+        raise KeyError(f"missing table [contract.bf16] (a [[mode]] rule uses {CONTRACT_MODE!r})")
     missing, unknown = sorted(set(CONTRACT_FIELDS) - set(entry)), sorted(set(entry) - set(CONTRACT_FIELDS))
     if missing or unknown:
         raise ValueError(

@@ -258,7 +258,7 @@ def _layer(
     `rounded` is applied at each bf16 rounding point of the precision contract (docs/bf16-rounding.md):
     every projection's output, the conv after silu, the kernel output o, the gated norm's output and
     `out`; beta's sigmoid, the gate g, the l2 norm and the recurrence take the rounded values exactly.
-    The truth rounds nowhere (`_exact`); `bf16_contract_truth` rounds to bf16."""
+    The truth rounds nowhere (`_exact`); the contract's model rounds with `bf16_contract_rounding`."""
     heads, dim = config.num_heads, config.head_dim
     tokens = x.shape[0] - skip
 
