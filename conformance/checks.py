@@ -263,10 +263,13 @@ class CheckRunner:
         if spec.check in KERNEL_CHECKS:
             raise NoTruth("the precision contract has no rounding point inside the kernels")
         name = truth_name(spec.check)
-        model = self._memoized(
+        models = self._memoized(
             ("contract-model", spec.dtype),
             lambda: computed_contract_model(case, self.weights(), self.dumps.config),
-        )[name]
+        )
+        if name not in models:
+            raise NoTruth(f"the precision contract's model of a case this long has no {name!r}")
+        model = models[name]
         tokens = case.info.total_tokens  # a state's: every token of the case went into it
         if "token" in positions:
             model = model[positions["token"]]

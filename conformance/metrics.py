@@ -489,6 +489,8 @@ def judge(
     the contract mode, its precision-contract check (None, with `no_contract` saying why, when there is
     no model of the contract: then the relative gate decides alone)."""
     comparison.mode, comparison.attribution, comparison.no_truth = mode, attribution, no_truth
+    if contract is None and no_contract is None:
+        no_contract = "not looked up" if mode == CONTRACT_MODE else f"gate mode {mode!r} has no contract"
     comparison.contract, comparison.no_contract = contract, no_contract
     if not comparison.usable:
         return comparison

@@ -25,6 +25,7 @@ from kda_spec.config import KDAConfig
 from kda_spec.truth import (
     bf16_contract_rounding,
     l2_normalised,
+    layer_output_truth,
     layer_truth,
     packed_delta_rule,
     run_hidden_states,
@@ -84,24 +85,21 @@ def computed_layer_truth(
 def computed_contract_model(
     case: CaseData, weights: Mapping[str, np.ndarray], config: KDAConfig
 ) -> dict[str, np.ndarray]:
-    """The bf16 precision contract's float64 model of every layer result of the bf16 run of `case`, by
+    """The bf16 precision contract's float64 model of the layer results of the bf16 run of `case`, by
     result name: the layer in float64 rounding to bf16 exactly at the contract's points
     (`kda_spec.truth._layer`), on the dump's hidden states and float32 `weights` as the bf16 run sees
-    them; `NoTruth` for a case longer than `COMPUTE_MAX_TOKENS`."""
-    tokens = case.info.total_tokens
-    if tokens > COMPUTE_MAX_TOKENS:
-        raise NoTruth(
-            f"the case has {tokens} tokens, more than the {COMPUTE_MAX_TOKENS} the checker computes the "
-            "precision contract's model for"
-        )
-    return layer_truth(
+    them. Every result for a case of up to `COMPUTE_MAX_TOKENS` tokens; for a longer one (the `long`
+    group) `out` and `recurrent_state` only, computed block by block as the long cases' truth is."""
+    args = (
         run_weights(weights, "bf16"),
         run_hidden_states(case.hidden_states, "bf16"),
         case.cu_seqlens,
         case.initial_state,
         config,
-        rounded=bf16_contract_rounding,
     )
+    if case.info.total_tokens > COMPUTE_MAX_TOKENS:
+        return layer_output_truth(*args, rounded=bf16_contract_rounding)
+    return layer_truth(*args, rounded=bf16_contract_rounding)
 
 
 def recurrence_fp64(

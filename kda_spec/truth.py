@@ -198,11 +198,12 @@ def layer_output_truth(
     config: KDAConfig,
     dtype: type[np.floating] = np.float64,
     block_tokens: int = BLOCK_TOKENS,
+    rounded: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """`out` [T, hidden] and `recurrent_state` [N, H, D, D] of `layer_truth` (the same math, no
     intermediates), each sequence taken `block_tokens` tokens at a time: a block's short conv reads the
     previous block's last `conv_size - 1` inputs, and its delta rule starts from the state the previous
-    block left. Memory grows with `block_tokens`, not with T."""
+    block left. Memory grows with `block_tokens`, not with T. `rounded` as for `layer_truth`."""
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
     w = {name: np.asarray(array, dtype) for name, array in weights.items()}
@@ -226,6 +227,7 @@ def layer_output_truth(
                 block_start - context,
                 functools.partial(delta_rule, state=state),
                 config,
+                rounded or _exact,
             )
             out[block_start:block_end], state = block["out"], block["recurrent_state"]
         states.append(state)

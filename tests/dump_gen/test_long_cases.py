@@ -10,7 +10,7 @@ from dump_gen.inputs import case_inputs
 from dump_gen.weights import synthetic_weights
 from kda_spec import dump_format as fmt
 from kda_spec.config import get_preset
-from kda_spec.truth import layer_output_truth, layer_truth, run_weights
+from kda_spec.truth import bf16_contract_rounding, bf16_rounded, layer_output_truth, layer_truth, run_weights
 
 TINY_CONFIG = get_preset("mini").replace(hidden_size=32, head_dim=16, preset="custom")
 
@@ -73,3 +73,20 @@ def test_a_long_case_truth_runs_block_by_block(monkeypatch: pytest.MonkeyPatch) 
         arrays = generate.truth_arrays(case, inputs, truth_weights, TINY_CONFIG, generate.TRUTH_ALWAYS)
         assert calls == expected_calls
         assert set(arrays) == {fmt.truth_key(n, d) for n in generate.TRUTH_ALWAYS for d in fmt.DTYPES}
+
+
+@pytest.mark.parametrize("block_tokens", [5, 64])
+def test_blockwise_contract_model_is_the_whole_sequence_model(block_tokens: int) -> None:
+    """The bf16 precision contract's model of a long case (conformance.truth) is computed block by block
+    too: the same roundings, so the same values, up to a float64 sum landing on the other side of a bf16
+    rounding boundary in a rare element."""
+    weights = run_weights(synthetic_weights(TINY_CONFIG, seed=0), "bf16")
+    inputs = case_inputs(fmt.CASES_BY_ID["varlen_initstate"], TINY_CONFIG, seed=0)
+    args = (weights, bf16_rounded(inputs.hidden_states), inputs.cu_seqlens, inputs.initial_state, TINY_CONFIG)
+    whole = layer_truth(*args, rounded=bf16_contract_rounding)
+    blocks = layer_output_truth(*args, block_tokens=block_tokens, rounded=bf16_contract_rounding)
+    assert np.array_equal(bf16_rounded(whole["out"]), whole["out"])  # the model's out is on the bf16 grid
+    for name in ("out", "recurrent_state"):
+        equal = np.mean(blocks[name] == whole[name])
+        nrmse = np.linalg.norm(blocks[name] - whole[name]) / np.linalg.norm(whole[name])
+        assert equal > 0.999 and nrmse < 1e-5, (name, equal, nrmse)
