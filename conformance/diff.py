@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -146,18 +147,16 @@ def stage_to_look_at(results: list[StageResult]) -> StageResult | None:
     return defects[0][0] if defects else first_out_of_tolerance(results)
 
 
+def _first_stage(results: list[StageResult], fails: Callable[[Comparison], bool]) -> StageResult | None:
+    """The first stage (in the layer's order) compared, whose comparison `fails`."""
+    return next((row for row in results if row.comparison is not None and fails(row.comparison)), None)
+
+
 def first_leaving_reference(results: list[StageResult]) -> StageResult | None:
     """The first stage where the implementation's own error against the truth leaves the reference's:
     beyond the relative gate's factor and floor (`Attribution.relative_failures`)."""
-    return next(
-        (
-            row
-            for row in results
-            if row.comparison is not None
-            and row.comparison.attribution is not None
-            and row.comparison.attribution.relative_failures
-        ),
-        None,
+    return _first_stage(
+        results, lambda c: c.attribution is not None and bool(c.attribution.relative_failures)
     )
 
 
@@ -181,16 +180,7 @@ def _against_contract(c: Comparison) -> str:
 
 def first_leaving_contract(results: list[StageResult]) -> StageResult | None:
     """The first stage (in the layer's order) whose implementation fails the precision contract."""
-    return next(
-        (
-            row
-            for row in results
-            if row.comparison is not None
-            and row.comparison.contract is not None
-            and row.comparison.contract.failures
-        ),
-        None,
-    )
+    return _first_stage(results, lambda c: c.contract is not None and bool(c.contract.failures))
 
 
 def table_lines(results: list[StageResult]) -> list[str]:

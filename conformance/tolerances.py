@@ -266,15 +266,7 @@ def _relative(data: dict[str, Any], dtype: str) -> RelativeLimits:
     entry = block.get(dtype) if isinstance(block, dict) else None
     if not isinstance(entry, dict):
         raise KeyError(f"missing table [relative.{dtype}]")
-    missing, unknown = sorted(set(RELATIVE_FIELDS) - set(entry)), sorted(set(entry) - set(RELATIVE_FIELDS))
-    if missing or unknown:
-        raise ValueError(
-            f"[relative.{dtype}]: needs {list(RELATIVE_FIELDS)}; missing {missing}, unknown {unknown}"
-        )
-    try:
-        return RelativeLimits(**entry)
-    except ValueError as err:
-        raise ValueError(f"[relative.{dtype}]: {err}") from None
+    return _limits_table(entry, f"[relative.{dtype}]", RELATIVE_FIELDS, RelativeLimits)
 
 
 def _contract(data: dict[str, Any], used: bool) -> ContractLimits | None:
@@ -289,15 +281,18 @@ def _contract(data: dict[str, Any], used: bool) -> ContractLimits | None:
         return None
     if not isinstance(entry, dict):
         raise KeyError(f"missing table [contract.bf16] (a [[mode]] rule uses {CONTRACT_MODE!r})")
-    missing, unknown = sorted(set(CONTRACT_FIELDS) - set(entry)), sorted(set(entry) - set(CONTRACT_FIELDS))
+    return _limits_table(entry, "[contract.bf16]", CONTRACT_FIELDS, ContractLimits)
+
+
+def _limits_table(entry: dict[str, Any], label: str, fields: tuple[str, ...], limits_class: type) -> Any:
+    """`limits_class(**entry)` for a table that must have exactly `fields`; a ValueError names `label`."""
+    missing, unknown = sorted(set(fields) - set(entry)), sorted(set(entry) - set(fields))
     if missing or unknown:
-        raise ValueError(
-            f"[contract.bf16]: needs {list(CONTRACT_FIELDS)}; missing {missing}, unknown {unknown}"
-        )
+        raise ValueError(f"{label}: needs {list(fields)}; missing {missing}, unknown {unknown}")
     try:
-        return ContractLimits(**entry)
+        return limits_class(**entry)
     except ValueError as err:
-        raise ValueError(f"[contract.bf16]: {err}") from None
+        raise ValueError(f"{label}: {err}") from None
 
 
 def _mode_rule(entry: Any, index: int) -> ModeRule:

@@ -27,6 +27,7 @@ from conformance.tolerances import (
 )
 from conformance.truth import FP32_STAGES, computed_contract_model
 from tests.conformance import broken_adapters
+from tests.conformance.policy_files import edited_policy
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 BF16, RFC = Tolerance(atol=1e-2, rtol=1e-2), Tolerance(atol=1e-3, rtol=1e-3)
@@ -183,14 +184,6 @@ def test_the_gate_does_not_gate_a_contract_recorded_over_too_few_tokens() -> Non
 # ---------------------------------------------------------------------------------------- policy
 
 
-def _policy_file(tmp_path: Path, old: str, new: str) -> Path:
-    text = DEFAULT_POLICY_FILE.read_text()
-    assert old in text
-    path = tmp_path / "policy.toml"
-    path.write_text(text.replace(old, new, 1))
-    return path
-
-
 def test_the_default_policy_holds_the_layer_results_of_bf16_to_the_contract() -> None:
     policy = TolerancePolicy.load()
     assert policy.contract == LIMITS
@@ -230,7 +223,7 @@ def test_a_policy_without_the_contract_mode_needs_no_contract_table(tmp_path: Pa
 )
 def test_a_bad_contract_policy_names_the_entry(tmp_path: Path, old: str, new: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        TolerancePolicy.load(_policy_file(tmp_path, old, new))
+        TolerancePolicy.load(edited_policy(tmp_path, old, new))
 
 
 def test_diff_names_the_first_stage_off_the_contract() -> None:

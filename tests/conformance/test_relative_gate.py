@@ -16,8 +16,9 @@ from conformance.gate import ReportError, breaches, load_report
 from conformance.metrics import Comparison, attribute, compare, judge
 from conformance.reader import DumpSet
 from conformance.report import REPORT_FORMAT, REPORT_VERSION, Record, write_json
-from conformance.tolerances import DEFAULT_POLICY_FILE, ModeRule, RelativeLimits, Tolerance, TolerancePolicy
+from conformance.tolerances import ModeRule, RelativeLimits, Tolerance, TolerancePolicy
 from tests.conformance import broken_adapters
+from tests.conformance.policy_files import edited_policy
 from tests.conformance.synthetic import write_dump_set
 
 STRICT, RFC = Tolerance(atol=1e-5, rtol=1e-5), Tolerance(atol=1e-3, rtol=1e-3)
@@ -38,14 +39,6 @@ def _judged(error: float, mode: str, with_truth: bool = True) -> Comparison:
 
 
 # ---------------------------------------------------------------------------------------- policy
-
-
-def _policy_file(tmp_path: Path, old: str, new: str) -> Path:
-    text = DEFAULT_POLICY_FILE.read_text()
-    assert old in text
-    path = tmp_path / "policy.toml"
-    path.write_text(text.replace(old, new, 1))
-    return path
 
 
 def test_the_default_policy_gates_intermediates_and_bf16_relatively_and_fp32_outputs_both_ways() -> None:
@@ -97,11 +90,11 @@ def test_the_default_policy_gates_intermediates_and_bf16_relatively_and_fp32_out
 )
 def test_a_bad_relative_policy_is_a_one_line_error(tmp_path: Path, old: str, new: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        TolerancePolicy.load(_policy_file(tmp_path, old, new))
+        TolerancePolicy.load(edited_policy(tmp_path, old, new))
 
 
 def test_a_mode_rule_needs_a_reason(tmp_path: Path) -> None:
-    path = _policy_file(
+    path = edited_policy(
         tmp_path,
         'check = "beta"\ndtype = "fp32"\nmode = "relative"\nreason = "Intermediates: as the conv outputs."',
         'check = "beta"\ndtype = "fp32"\nmode = "relative"\nreason = " "',
