@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from conformance.report import REPORT_FORMAT, REPORT_VERSION, STATUSES
-from conformance.tolerances import CONTRACT_FIELDS, CONTRACT_MODE, GATE_MODES, RELATIVE_FIELDS
+from conformance.tolerances import ABSOLUTE_MODES, CONTRACT_FIELDS, CONTRACT_MODE, GATE_MODES, RELATIVE_FIELDS
 
 _CHECK_TEXT_FIELDS = ("id", "status", "message")
 
@@ -222,7 +222,7 @@ def _recomputed(check: dict[str, Any]) -> tuple[list[str], float | None]:
     if n["nonfinite"] != 0:
         reasons.append(f"{n['nonfinite']:g} NaN/Inf value(s)")
     ratios = []
-    if n["judged_by"] in ("absolute", "absolute+relative"):
+    if n["judged_by"] in ABSOLUTE_MODES:
         absolute_reasons, absolute_ratio = _absolute_verdict(n)
         reasons += absolute_reasons
         ratios.append(absolute_ratio)

@@ -12,10 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from conformance.tolerances import CONTRACT_MODE, ContractLimits, RelativeLimits, Tolerance
+from conformance.tolerances import ABSOLUTE_MODES, CONTRACT_MODE, ContractLimits, RelativeLimits, Tolerance
 
-# The gate modes in which the absolute limits decide too.
-ABSOLUTE_MODES = ("absolute", "absolute+relative")
 # Who a check's difference comes from, judged against the float64 truth (docs/tolerance-policy.md).
 VERDICTS = ("impl", "reference", "both", "conditioning")
 

@@ -19,6 +19,7 @@ CONTRACT_FIELDS = ("max_nrmse", "max_nrmse_fp32_stage", "max_gain", "min_tokens"
 # or the relative one and the bf16 precision contract (against the float64 model of its roundings).
 GATE_MODES = ("absolute", "relative", "absolute+relative", "relative+contract")
 CONTRACT_MODE = "relative+contract"
+ABSOLUTE_MODES = ("absolute", "absolute+relative")  # the modes in which the absolute limits decide too
 
 
 @dataclasses.dataclass(frozen=True)
