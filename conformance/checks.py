@@ -17,7 +17,15 @@ import numpy as np
 
 from conformance import sequences
 from conformance.adapter import KDAAdapter, LayerResult
-from conformance.metrics import Comparison, ContractCheck, attribute, compare, contract_check, judge
+from conformance.metrics import (
+    Attribution,
+    Comparison,
+    ContractCheck,
+    attribute,
+    compare,
+    contract_check,
+    judge,
+)
 from conformance.positions import (
     DECODE_POSITIONS,
     LAYER_POSITIONS,
@@ -243,7 +251,7 @@ class CheckRunner:
         if mode != CONTRACT_MODE:
             return judge(comparison, mode, attribution)
         try:
-            contract = self.contract(case, spec, actual, expected, truth_value, positions)
+            contract = self.contract(case, spec, actual, expected, truth_value, attribution, positions)
         except NoTruth as missing:
             return judge(comparison, mode, attribution, no_contract=str(missing))
         return judge(comparison, mode, attribution, contract=contract)
@@ -255,11 +263,12 @@ class CheckRunner:
         actual: np.ndarray,
         expected: np.ndarray,
         truth: np.ndarray,
+        attribution: Attribution,
         positions: dict,
     ) -> ContractCheck:
         """The check's two sides against the bf16 precision contract's float64 model of its result (and
-        the model against the check's `truth`); `NoTruth` when there is none (a kernel check, a case too
-        long to compute it for)."""
+        the model against the check's `truth`, whose `attribution` holds the implementation's error);
+        `NoTruth` when there is none (a kernel check, a result the model lacks)."""
         if spec.check in KERNEL_CHECKS:
             raise NoTruth("the precision contract has no rounding point inside the kernels")
         name = truth_name(spec.check)
@@ -275,7 +284,10 @@ class CheckRunner:
             model = model[positions["token"]]
             tokens = len(positions["token"])
         limits, fp32_stage = self.policy.contract, name in FP32_STAGES
-        return contract_check(actual, expected, model, truth, CONTRACT_SOURCE, limits, fp32_stage, tokens)
+        impl_error = attribution.impl.nrmse
+        return contract_check(
+            actual, expected, model, truth, impl_error, CONTRACT_SOURCE, limits, fp32_stage, tokens
+        )
 
     def by_position(self, case: CaseData, spec: CheckSpec) -> Comparison:
         """A long case's output (its prefill, or its prefill then decode steps) against the reference and

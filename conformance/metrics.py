@@ -226,13 +226,15 @@ def contract_check(
     expected: np.ndarray,
     model: np.ndarray,
     truth: np.ndarray,
+    impl_truth_nrmse: float,
     source: str,
     limits: ContractLimits,
     fp32_stage: bool,
     tokens: int,
 ) -> ContractCheck:
     """Both sides of a check against the contract's float64 `model` (where it comes from: `source`) of a
-    result that `tokens` tokens produced; the implementation and the model against the float64 `truth`."""
+    result that `tokens` tokens produced; the model against the float64 `truth`, beside the
+    implementation's nRMSE against it (`TruthError.nrmse` of the check's attribution)."""
     return ContractCheck(
         source=source,
         impl=error_vs_contract(actual, model),
@@ -240,7 +242,7 @@ def contract_check(
         limits=limits,
         fp32_stage=fp32_stage,
         tokens=tokens,
-        impl_truth_nrmse=error_vs_contract(actual, truth).nrmse,
+        impl_truth_nrmse=impl_truth_nrmse,
         model_truth_nrmse=error_vs_contract(model, truth).nrmse,
     )
 

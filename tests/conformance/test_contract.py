@@ -86,7 +86,8 @@ def _contract_judged(
     reference = _bf16(MODEL)
     comparison = compare(actual, reference, BF16, RFC, ("token", "channel"))
     attribution = attribute(actual, reference, MODEL, "t", BF16, RELATIVE, bool(comparison.absolute_failures))
-    contract = contract_check(actual, reference, model, MODEL, "t", LIMITS, fp32_stage, tokens)
+    impl_error = attribution.impl.nrmse
+    contract = contract_check(actual, reference, model, MODEL, impl_error, "t", LIMITS, fp32_stage, tokens)
     return judge(comparison, CONTRACT_MODE, attribution, contract=contract)
 
 
