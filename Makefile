@@ -62,6 +62,7 @@ lint: $(VENV)/.full
 	pre-commit run --all-files
 
 bench: $(VENV)/.full
+	$(PY) -m benchmarks.chunk_margins
 	$(PY) -m benchmarks.bench_kernels
 	$(PY) -m benchmarks.bench_decode
 	$(PY) -m benchmarks.bench_layer

@@ -29,8 +29,11 @@ scores are built by recursive halving, each lower-left quadrant factorised aroun
 two such factors (`decay_scores`). Every exp argument is a single g <= 0: nothing overflows.
 
 Packed batches: every sequence is cut into its own chunks (the last one padded with zeros), so no
-chunk holds two sequences, and the padded tail has k = v = beta = g = 0, which leaves the state exactly
-unchanged. Shapes depend only on (T, N), never on the lengths: one compilation per (T, N).
+chunk holds two sequences, and the padded rows have k = v = beta = g = 0, which leave the state exactly
+unchanged. A chunk reads C consecutive rows of the packed inputs in place, masking the rows that are
+not its own; within C rows of the end of the array the window is the last C rows, so there its tokens
+follow the masked rows instead of preceding them. Shapes depend only on (T, N), never on the lengths:
+one compilation per (T, N).
 
 Full resets: g = -inf is floored (`common.finite_log_decay`) to the same exact exp 0, never 0 * -inf.
 """
@@ -192,35 +195,47 @@ def _chunk_packed(
 ) -> tuple[jax.Array, jax.Array]:
     """One `lax.scan` step per chunk: its rows are sliced from the packed inputs and the whole chunk is
     computed there (`chunk_step`), so every temporary is one chunk's `[H, C, ...]`, cache-sized."""
-    layout = chunk_layout(cu_seqlens, q.shape[0], chunk_size)
-    # C zero rows after the last token: the window of a chunk that starts within C of the end stays
-    # inside the array (its rows past the sequence end are masked anyway).
-    padded = [jnp.pad(x, [(0, chunk_size)] + [(0, 0)] * (x.ndim - 1)) for x in (q, k, v, g, beta)]
+    tokens = q.shape[0]
+    if tokens < chunk_size:  # a chunk's window of C rows must fit in the array
+        fill = chunk_size - tokens
+        q, k, v, g, beta = (jnp.pad(x, [(0, fill)] + [(0, 0)] * (x.ndim - 1)) for x in (q, k, v, g, beta))
+    layout = chunk_layout(cu_seqlens, tokens, chunk_size)
+    first_token = layout.token[:, 0]
+    end_token = first_token + jnp.sum(layout.valid, axis=1)
+    # A chunk reads the C rows from its first token, or, within C of the end of the array, the last C
+    # rows: its tokens then sit at the bottom of the window, below masked rows. No padded copy of the
+    # inputs is made (on XLA:CPU that copy cost ~10% of the kernel at T=1024).
+    window_start = jnp.minimum(first_token, q.shape[0] - chunk_size)
 
     def step(carry, chunk):
         state, finals = carry
-        first_token, valid, is_first, seq, is_last = chunk
-        rows = [_chunk_rows(x, first_token, valid) for x in padded]
+        start_row, first, end, is_first, seq, is_last = chunk
+        position = start_row + jnp.arange(chunk_size, dtype=jnp.int32)
+        valid = (position >= first) & (position < end)
+        rows = [_chunk_rows(x, start_row, valid) for x in (q, k, v, g, beta)]
         start = jnp.where(is_first, init[seq], state)
-        o, end = chunk_step(*rows, start, scale)
-        finals = finals.at[seq].set(jnp.where(is_last, end, finals[seq]))
-        return (end, finals), o
+        o, end_state = chunk_step(*rows, start, scale)
+        # Written at its sequence's slot by the sequence's last chunk, into the spare slot N otherwise.
+        finals = jax.lax.dynamic_update_index_in_dim(finals, end_state, jnp.where(is_last, seq, num_seqs), 0)
+        return (end_state, finals), o
 
+    num_seqs = init.shape[0]
     chunk_index = jnp.arange(layout.seq.shape[0], dtype=jnp.int32)
     is_last = layout.nonempty[layout.seq] & (chunk_index == layout.last[layout.seq])
     (_, finals), o_chunks = jax.lax.scan(
         step,
-        (init[0], init),
-        (layout.token[:, 0], layout.valid, layout.is_first, layout.seq, is_last),
+        (init[0], jnp.concatenate([init, init[:1]])),
+        (window_start, first_token, end_token, layout.is_first, layout.seq, is_last),
     )  # o_chunks [NC, H, C, V]
     rows = jnp.moveaxis(o_chunks, 1, 2).reshape(-1, *o_chunks.shape[1:2], o_chunks.shape[-1])  # [NC*C, H, V]
-    return rows[layout.slot * chunk_size + layout.row], finals
+    row_in_window = jnp.arange(tokens, dtype=jnp.int32) - window_start[layout.slot]
+    return rows[layout.slot * chunk_size + row_in_window], finals[:num_seqs]
 
 
-def _chunk_rows(x: jax.Array, first_token: jax.Array, valid: jax.Array) -> jax.Array:
-    """One chunk's C rows of the zero-padded packed `x` [T + C, H, ...]: [H, C, ...], 0 where padded."""
+def _chunk_rows(x: jax.Array, start_row: jax.Array, valid: jax.Array) -> jax.Array:
+    """The C rows of packed `x` [T, H, ...] from `start_row`: [H, C, ...], 0 where not `valid`."""
     size = valid.shape[0]
-    window = jax.lax.dynamic_slice_in_dim(x, first_token, size, axis=0)
+    window = jax.lax.dynamic_slice_in_dim(x, start_row, size, axis=0)
     return jnp.moveaxis(jnp.where(valid.reshape((size,) + (1,) * (x.ndim - 1)), window, 0), 0, 1)
 
 
@@ -319,6 +334,12 @@ def _merge_blocks(
     return jnp.concatenate([upper, jnp.concatenate([quadrant, bottom], axis=-1)], axis=-2)
 
 
+# Below this block size the inverse's quadrant products are element-wise sums, not matmuls: XLA:CPU
+# spends ~1 us per matrix on a batched dot of tiny matrices (a [32, 8, 4, 4] batch: ~330 us), 5-10x the
+# element-wise form's cost; the halving levels h = 1, 2, 4, 8 took ~12% of the kernel at T=1024.
+ELEMENTWISE_INVERSE_MAX_HALF = 8
+
+
 def unit_lower_inverse(a: jax.Array) -> jax.Array:  # a: [..., C, C] strictly lower triangular
     """(I + a)^-1 by recursive halving: inv([[L1, 0], [B, L2]]) = [[L1^-1, 0], [-L2^-1 B L1^-1, L2^-1]].
 
@@ -334,7 +355,11 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:  # a: [..., C, C] strictly lo
         index = jnp.arange(groups)
         lower_left = jnp.moveaxis(grouped[..., index, half:, index, :half], 0, -3)  # [..., G, h, h]
         top, bottom = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
-        quadrant = -jnp.einsum("...gij,...gjk,...gkl->...gil", bottom, lower_left, top, precision=HIGHEST)
+        if half <= ELEMENTWISE_INVERSE_MAX_HALF:
+            right = jnp.sum(lower_left[..., :, :, None] * top[..., None, :, :], axis=-2)
+            quadrant = -jnp.sum(bottom[..., :, :, None] * right[..., None, :, :], axis=-2)
+        else:
+            quadrant = -jnp.einsum("...gij,...gjk,...gkl->...gil", bottom, lower_left, top, precision=HIGHEST)
         inverse = _merge_blocks(inverse, quadrant)
         half *= 2
     return inverse[..., 0, :, :]
