@@ -49,6 +49,11 @@ import jax.numpy as jnp
 from kda_impl.kernels.common import HIGHEST, finite_log_decay, initial_or_zeros, prepare_inputs, sequence_ids
 from kda_impl.kernels.validation import static_validate_inputs
 
+# Tokens per chunk. 32, not fla's 64: on XLA:CPU the whole kernel measured 7-10% faster at T = 1024
+# and 4096 (H=32, D=128; 128 was 15-30% slower), the in-chunk work growing as C^2 per chunk while the
+# state products cost the same per token for any C.
+CHUNK_SIZE = 32
+
 
 def chunk_kda(
     q: jax.Array,
@@ -62,7 +67,7 @@ def chunk_kda(
     output_final_state: bool = False,
     cu_seqlens: jax.Array | None = None,
     use_qk_l2norm_in_kernel: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
 ) -> tuple[jax.Array, jax.Array | None]:
     r"""KDA over whole sequences, chunk by chunk (prefill).
 
@@ -77,7 +82,7 @@ def chunk_kda(
         output_final_state: return the final state of every sequence.
         cu_seqlens: `i32[N + 1]` offsets of a packed batch (then B must be 1).
         use_qk_l2norm_in_kernel: l2-normalise q and k (fp32) first.
-        chunk_size: tokens per chunk, a power of two.
+        chunk_size: tokens per chunk, a power of two (default `CHUNK_SIZE`).
 
     Returns:
         `(o, final_state)`: o `[B, T, H, V]` in q's dtype, final_state `[N, H, K, V]` fp32 or None.
@@ -213,23 +218,24 @@ def _chunk_packed(
         position = start_row + jnp.arange(chunk_size, dtype=jnp.int32)
         valid = (position >= first) & (position < end)
         rows = [_chunk_rows(x, start_row, valid) for x in (q, k, v, g, beta)]
-        start = jnp.where(is_first, init[seq], state)
+        start = jax.lax.cond(is_first, lambda s: init[seq], lambda s: s, state)  # a sequence starts
         o, end_state = chunk_step(*rows, start, scale)
-        # Written at its sequence's slot by the sequence's last chunk, into the spare slot N otherwise.
-        finals = jax.lax.dynamic_update_index_in_dim(finals, end_state, jnp.where(is_last, seq, num_seqs), 0)
+        # Only a sequence's last chunk writes its final state (a branch: no state-sized write per chunk).
+        finals = jax.lax.cond(
+            is_last, lambda f: jax.lax.dynamic_update_index_in_dim(f, end_state, seq, 0), lambda f: f, finals
+        )
         return (end_state, finals), o
 
-    num_seqs = init.shape[0]
     chunk_index = jnp.arange(layout.seq.shape[0], dtype=jnp.int32)
     is_last = layout.nonempty[layout.seq] & (chunk_index == layout.last[layout.seq])
     (_, finals), o_chunks = jax.lax.scan(
         step,
-        (init[0], jnp.concatenate([init, init[:1]])),
+        (init[0], init),
         (window_start, first_token, end_token, layout.is_first, layout.seq, is_last),
     )  # o_chunks [NC, H, C, V]
     rows = jnp.moveaxis(o_chunks, 1, 2).reshape(-1, *o_chunks.shape[1:2], o_chunks.shape[-1])  # [NC*C, H, V]
     row_in_window = jnp.arange(tokens, dtype=jnp.int32) - window_start[layout.slot]
-    return rows[layout.slot * chunk_size + row_in_window], finals[:num_seqs]
+    return rows[layout.slot * chunk_size + row_in_window], finals
 
 
 def _chunk_rows(x: jax.Array, start_row: jax.Array, valid: jax.Array) -> jax.Array:
