@@ -161,7 +161,11 @@ def _apply(root: Path, mutation: tuple) -> bool:
     np.savez(buffer, **arrays)
     (root / file).write_bytes(buffer.getvalue())
     if rehash:
-        block = manifest["weights"] if file == fmt.WEIGHTS_FILE else manifest["cases"][0]
+        path = ("weights",) if file == fmt.WEIGHTS_FILE else ("cases", 0)
+        parent = _container(manifest, path)
+        block = None if parent is None else parent[path[-1]]
+        if not isinstance(block, dict):
+            return False  # an earlier change removed the block that holds the file's checksum
         block["sha256"] = fmt.sha256_bytes(buffer.getvalue())
         (root / fmt.MANIFEST_FILE).write_text(json.dumps(manifest))
     return rehash

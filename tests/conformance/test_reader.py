@@ -73,6 +73,19 @@ def test_wrong_checksum_in_manifest(dumps: Path) -> None:
         DumpSet(str(dumps)).weights()
 
 
+def test_a_case_renamed_in_the_manifest_is_refused(dumps: Path) -> None:
+    """One flipped bit turns the id "T8" into "U8": the file still matches its checksum, so only the
+    format's naming rule (a case lives in cases/<id>.npz) tells that the manifest was damaged."""
+    manifest = _manifest(dumps)
+    entry = next(c for c in manifest["cases"] if c["id"] == "T8")
+    entry["id"] = "U8"
+    (dumps / fmt.MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(
+        DumpError, match=r"case 'U8' must be in 'cases/U8.npz', the manifest says 'cases/T8.npz'"
+    ):
+        DumpSet(str(dumps))
+
+
 def test_unknown_format_version(dumps: Path) -> None:
     manifest = _manifest(dumps)
     manifest["version"] = 2
