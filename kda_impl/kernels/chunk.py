@@ -2,7 +2,8 @@
 
 Not a naive kernel: it computes the token recurrence of `naive_recurrent.py` (the math-first reference
 the tests hold it to) C tokens at a time, with the in-chunk decay scores built by recursive halving and
-`(I + A)^-1` by a recursive block inverse, all in batched matmuls.
+`(I + A)^-1` by a recursive block inverse, in batched matmuls (element-wise products for the smallest
+blocks).
 
 Per chunk of C tokens (per head), with G the in-chunk inclusive cumsum of the log decay g and
 Γ = exp(G) (all factors below are <= 1, see "Strong decay"):
@@ -349,7 +350,8 @@ ELEMENTWISE_INVERSE_MAX_HALF = 8
 def unit_lower_inverse(a: jax.Array) -> jax.Array:  # a: [..., C, C] strictly lower triangular
     """(I + a)^-1 by recursive halving: inv([[L1, 0], [B, L2]]) = [[L1^-1, 0], [-L2^-1 B L1^-1, L2^-1]].
 
-    Block forward substitution (as fla's solve_tril), all in batched matmuls: no triangular_solve,
+    Block forward substitution (as fla's solve_tril), in batched matmuls and, for blocks of up to
+    `ELEMENTWISE_INVERSE_MAX_HALF` rows, element-wise products: no triangular_solve,
     which is slow for many small systems on CPU and absent from Pallas TPU. Returns [..., C, C].
     """
     *lead, size, _ = a.shape
