@@ -1,11 +1,12 @@
 """How much of the fp32 tolerance the plain-JAX `chunk_kda` uses, against the float64 token recurrence.
 
-For each decay regime of the kernel tests (realistic, strong: g down to -60 per token, mixed: strong
-and near-zero decays interleaved) and each shape (a packed batch with empty, partial, whole and
-multi-chunk sequences; one long sequence at the real head size), the kernel runs on fp32 inputs and
-`kda_spec.truth.packed_delta_rule` on the same inputs in float64. A cell is the worst
-`|x - truth| / (atol + rtol * |truth|)` over o and the final states, with the tests' atol = rtol = 1e-5:
-below 1 passes, and 0.05 means 5% of the tolerance used. Run it before and after a kernel change.
+For each decay regime of the kernel tests (`tests/kda_impl/kernel_inputs.py`: realistic, strong: g
+down to -60 per token, mixed: strong and near-zero decays interleaved) and each shape (a packed batch
+with empty, partial, whole and multi-chunk sequences; one long sequence at the real head size), the
+kernel runs on fp32 inputs and `kda_spec.truth.packed_delta_rule` on the same inputs in float64. A cell
+is the worst `|x - truth| / (atol + rtol * |truth|)` over o and the final states, with the tests'
+atol = rtol = 1e-5: below 1 passes, and 0.05 means 5% of the tolerance used. Run it before and after
+a kernel change.
 
     python -m benchmarks.chunk_margins [--seeds 3]
 """
@@ -19,6 +20,7 @@ import numpy as np
 
 from kda_impl.kernels import naive
 from kda_spec.truth import packed_delta_rule
+from tests.kda_impl.kernel_inputs import l2normalise, random_kernel_inputs
 
 ATOL = RTOL = 1e-5
 DECAYS = ("realistic", "strong", "mixed")
@@ -28,37 +30,20 @@ SHAPES = {
 }
 
 
-def log_decay(rng: np.random.Generator, shape: tuple[int, ...], decay: str) -> np.ndarray:
-    """g [T, H, D] in the kernel tests' three regimes (tests/kda_impl/kernel_inputs.py)."""
-    if decay == "realistic":
-        a = rng.uniform(1.0, 16.0, size=(1, shape[1], 1))
-        dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), size=shape[1:]))
-        return -a * np.logaddexp(0.0, np.log(np.expm1(dt)) + rng.standard_normal(shape))
-    strong = rng.uniform(0.0, 60.0, size=shape)
-    if decay == "strong":
-        return -strong
-    weak = rng.uniform(0.0, 0.05, size=shape)
-    return -np.where(rng.uniform(size=(shape[0], 1, 1)) < 0.3, strong, weak)
-
-
 def worst_ratio(lengths: list[int], heads: int, dim: int, decay: str, seed: int) -> float:
     rng = np.random.default_rng(seed)
-    tokens = sum(lengths)
-    shape = (tokens, heads, dim)
-    q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in rng.standard_normal((2, *shape)))
-    v = rng.standard_normal(shape)
-    g = log_decay(rng, shape, decay)
-    beta = rng.uniform(0.0, 1.0, size=shape[:2])
-    h0 = rng.standard_normal((len(lengths), heads, dim, dim))
     cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    fp32 = [x.astype(np.float32) for x in (q, k, v, g, beta, h0)]
+    inputs = random_kernel_inputs(rng, int(cu_seqlens[-1]), heads=heads, dim=dim, decay=decay)
+    q, k = (l2normalise(inputs[name])[0] for name in ("q", "k"))
+    v, g, beta = (inputs[name][0] for name in ("v", "g", "beta"))
+    h0 = rng.standard_normal((len(lengths), heads, dim, dim)).astype(np.float32)
     o, state = naive.chunk_kda(
-        *(jnp.asarray(x)[None] for x in fp32[:5]),
-        initial_state=jnp.asarray(fp32[5]),
+        *(jnp.asarray(x)[None] for x in (q, k, v, g, beta)),
+        initial_state=jnp.asarray(h0),
         output_final_state=True,
         cu_seqlens=jnp.asarray(cu_seqlens),
     )
-    q64, k64, v64, g64, beta64, h064 = (x.astype(np.float64) for x in fp32)
+    q64, k64, v64, g64, beta64, h064 = (x.astype(np.float64) for x in (q, k, v, g, beta, h0))
     truth_o, truth_state = packed_delta_rule(q64, k64, v64, g64, beta64, cu_seqlens, h064)
     ratios = [
         np.max(np.abs(np.asarray(x, np.float64) - t) / (ATOL + RTOL * np.abs(t)))
