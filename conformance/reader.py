@@ -317,16 +317,17 @@ def _parse_cases(manifest: dict[str, Any], where: str) -> dict[str, CaseInfo]:
                 f"{label}: 'decode_steps' must be an integer from 0 to the shortest sequence's length - 1 "
                 f"({min(seq_lens) - 1}), found {decode_steps!r}"
             )
+        relpath = _relative_path(entry["file"], f"{label}: 'file'")
         # The format names a case's file after its id: a manifest whose id and file disagree (a renamed
         # case, a flipped byte) would serve one case's arrays under another case's name.
         expected_file = f"{fmt.CASES_DIR}/{case_id}.npz"
-        if entry["file"] != expected_file:
+        if relpath != expected_file:
             raise DumpError(
                 f"{label}: case {case_id!r} must be in {expected_file!r}, the manifest says {entry['file']!r}"
             )
         info = CaseInfo(
             case_id=case_id,
-            file=_relative_path(entry["file"], f"{label}: 'file'"),
+            file=relpath,
             sha256=_sha256(entry["sha256"], f"{label}: 'sha256'"),
             seq_lens=tuple(seq_lens),
             initial_state=initial_state,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,9 @@ def long_dumps(tmp_path_factory: pytest.TempPathFactory) -> Path:
     prefill = {**manifest["cases"][0], "id": "long_T1024", "group": "long"}
     decode = {**prefill, "id": "long_prefill768_decode256", "decode_steps": 256}
     manifest["cases"] = [prefill, decode]
+    for case in manifest["cases"]:  # a case lives in cases/<id>.npz
+        case["file"] = f"cases/{case['id']}.npz"
+        shutil.copyfile(root / "cases" / "T1024.npz", root / case["file"])
     (root / "manifest.json").write_text(json.dumps(manifest))
     return root
 
