@@ -320,7 +320,7 @@ def _parse_cases(manifest: dict[str, Any], where: str) -> dict[str, CaseInfo]:
         relpath = _relative_path(entry["file"], f"{label}: 'file'")
         # The format names a case's file after its id: a manifest whose id and file disagree (a renamed
         # case, a flipped byte) would serve one case's arrays under another case's name.
-        expected_file = f"{fmt.CASES_DIR}/{case_id}.npz"
+        expected_file = fmt.case_file(case_id)
         if relpath != expected_file:
             raise DumpError(
                 f"{label}: case {case_id!r} must be in {expected_file!r}, the manifest says {entry['file']!r}"

@@ -41,7 +41,7 @@ class CaseSpec:
 
     @property
     def file(self) -> str:
-        return f"{CASES_DIR}/{self.case_id}.npz"
+        return case_file(self.case_id)
 
 
 # RFC §6.1: the twelve cases, in this order.
@@ -116,6 +116,11 @@ LONG_RESULT_NAMES = (OUTPUT_KEY, "recurrent_state_chunk", "recurrent_state_fused
 # Keys that stay float32 in a bf16 run (states and the fp32 gate path).
 FP32_IN_BF16_RUN = frozenset({"recurrent_state_chunk", "recurrent_state_fused_recurrent", "g", "beta"})
 DTYPES = ("fp32", "bf16")
+
+
+def case_file(case_id: str) -> str:
+    """A case's file in the set: `cases/<id>.npz` (a reader refuses any other)."""
+    return f"{CASES_DIR}/{case_id}.npz"
 
 
 def result_key(name: str, dtype: str) -> str:

@@ -16,6 +16,7 @@ from conformance.cli import main
 from conformance.positions import position_profile, window_bounds
 from conformance.reader import DumpError, DumpSet
 from conformance.tolerances import RelativeLimits, Tolerance, TolerancePolicy
+from kda_spec import dump_format as fmt
 from tests.conformance.numpy_adapter import NumpyAdapter
 from tests.conformance.synthetic import write_dump_set
 
@@ -33,8 +34,8 @@ def long_dumps(tmp_path_factory: pytest.TempPathFactory) -> Path:
     decode = {**prefill, "id": "long_prefill768_decode256", "decode_steps": 256}
     manifest["cases"] = [prefill, decode]
     for case in manifest["cases"]:  # a case lives in cases/<id>.npz
-        case["file"] = f"cases/{case['id']}.npz"
-        shutil.copyfile(root / "cases" / "T1024.npz", root / case["file"])
+        case["file"] = fmt.case_file(case["id"])
+        shutil.copyfile(root / fmt.case_file("T1024"), root / case["file"])
     (root / "manifest.json").write_text(json.dumps(manifest))
     return root
 
