@@ -31,6 +31,7 @@ SHAPES = {
 
 
 def worst_ratio(lengths: list[int], heads: int, dim: int, decay: str, seed: int) -> float:
+    """The worst error-to-tolerance ratio of `chunk_kda` on one packed batch of `lengths` tokens."""
     rng = np.random.default_rng(seed)
     cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     inputs = random_kernel_inputs(rng, int(cu_seqlens[-1]), heads=heads, dim=dim, decay=decay)
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--seeds", type=int, default=3, help="seeds per cell; the cell is the worst")
     args = parser.parse_args(argv)
+    if args.seeds < 1:
+        parser.error(f"--seeds must be at least 1, got {args.seeds}")
     print(f"worst |chunk_kda - float64| / ({ATOL:g} + {RTOL:g}|truth|) over o and states, {args.seeds} seeds")
     print(f"| shape | {' | '.join(DECAYS)} |\n|---|{'---|' * len(DECAYS)}")
     for name, (lengths, heads, dim) in SHAPES.items():
