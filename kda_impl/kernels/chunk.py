@@ -93,13 +93,15 @@ def chunk_kda(
         raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
     if cu_seqlens is None:
         cu_seqlens = jnp.arange(shapes.batch + 1, dtype=jnp.int32) * shapes.tokens
+    # Zeros are made here, not under jit: a call with and one without initial states share one program.
+    init = initial_or_zeros(initial_state, (shapes.num_seqs, shapes.heads, shapes.key_dim, shapes.value_dim))
     o, final = _chunk_kda(
         q,
         k,
         v,
         g,
         beta,
-        initial_state,
+        init,
         jnp.asarray(cu_seqlens, jnp.int32),
         scale=scale,
         chunk_size=chunk_size,
@@ -115,7 +117,7 @@ def _chunk_kda(
     v: jax.Array,  # [B, T, H, V]
     g: jax.Array,  # [B, T, H, K]
     beta: jax.Array,  # [B, T, H]
-    initial_state: jax.Array | None,  # [N, H, K, V]
+    init: jax.Array,  # [N, H, K, V] fp32
     cu_seqlens: jax.Array,  # i32[N + 1], offsets into the B*T flattened tokens
     *,
     scale: float | None,
@@ -125,7 +127,6 @@ def _chunk_kda(
     batch, tokens, heads, _ = q.shape
     out_dtype = q.dtype
     q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    init = initial_or_zeros(initial_state, (cu_seqlens.shape[0] - 1, heads, k.shape[-1], v.shape[-1]))
     flat = [x.reshape(batch * tokens, *x.shape[2:]) for x in (q, k, v, finite_log_decay(g), beta)]
     o, final = _chunk_packed(*flat, init, cu_seqlens, scale, chunk_size)
     return o.reshape(batch, tokens, heads, v.shape[-1]).astype(out_dtype), final

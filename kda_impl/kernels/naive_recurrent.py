@@ -70,16 +70,18 @@ def fused_recurrent_kda(
     Returns:
         `(o, final_state)`: o `[B, T, H, V]` in q's dtype, final_state `[N, H, K, V]` fp32 or None.
     """
-    static_validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    shapes = static_validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     if cu_seqlens is not None:
         cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
+    # Zeros are made here, not under jit: a call with and one without initial states share one program.
+    init = initial_or_zeros(initial_state, (shapes.num_seqs, shapes.heads, shapes.key_dim, shapes.value_dim))
     o, final = _fused_recurrent_kda(
         q,
         k,
         v,
         g,
         beta,
-        initial_state,
+        init,
         cu_seqlens,
         scale=scale,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -94,16 +96,14 @@ def _fused_recurrent_kda(
     v: jax.Array,  # [B, T, H, V]
     g: jax.Array,  # [B, T, H, K]
     beta: jax.Array,  # [B, T, H]
-    initial_state: jax.Array | None,  # [N, H, K, V]
+    init: jax.Array,  # [N, H, K, V] fp32
     cu_seqlens: jax.Array | None,  # i32[N + 1]
     *,
     scale: float | None,
     use_qk_l2norm_in_kernel: bool,
 ) -> tuple[jax.Array, jax.Array]:
     out_dtype = q.dtype
-    num_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    init = initial_or_zeros(initial_state, (num_seqs, q.shape[2], k.shape[-1], v.shape[-1]))
     if cu_seqlens is None:
         o, final = _scan_equal_lengths(q * scale, k, v, g, beta, init)
     else:
