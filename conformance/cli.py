@@ -14,6 +14,7 @@ from pathlib import Path
 
 from conformance.adapter import KDAAdapter, load_adapter_class, parse_option_pairs
 from conformance.compile_cache import enable_compile_cache
+from conformance.cpu_compile import prefer_fast_cpu_compile
 from conformance.output_files import check_writable_file, clear_report_dir, nothing_checked
 from conformance.reader import DumpError, DumpSet
 from conformance.tolerances import DEFAULT_POLICY_FILE, TolerancePolicy, check_growth_factor
@@ -287,6 +288,7 @@ COMMANDS = {"run": cmd_run, "gate": cmd_gate, "diff": cmd_diff, "verify": cmd_ve
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    prefer_fast_cpu_compile()  # before JAX starts: XLA reads $XLA_FLAGS once
     try:
         return COMMANDS[args.command](args)
     except (UsageError, DumpError) as err:

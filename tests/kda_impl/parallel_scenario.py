@@ -34,6 +34,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from conformance.cpu_compile import prefer_fast_cpu_compile
 from dump_gen.weights import synthetic_weights
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.mem_cache.recurrent_state_pool import CONV_SPEC, RECURRENT_SPEC, RecurrentStatePool
@@ -248,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mesh", action="append", required=True, metavar="TPxDP[:KERNEL]")
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args(argv)
+    prefer_fast_cpu_compile()  # as the test session does, before JAX starts
 
     if args.num_processes > 1:
         from kda_impl.parallel.distributed import initialize

@@ -1,0 +1,89 @@
+"""`prefer_fast_cpu_compile`: XLA:CPU's loop emitters only on a CPU-only machine, only before JAX starts,
+never over the caller's own setting of the flag."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import pytest
+
+from conformance import cpu_compile
+from conformance.cpu_compile import FAST_CPU_COMPILE_FLAG, FLAG_NAME, cpu_only, prefer_fast_cpu_compile
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def before_jax_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This test process's backends have started long ago: pretend they have not."""
+    monkeypatch.setattr(cpu_compile, "_backends_started", lambda: False)
+
+
+@pytest.mark.parametrize(
+    ("platforms", "expected"),
+    [("cpu", True), (" cpu ", True), ("tpu", False), ("cpu,cuda", False), ("cuda", False)],
+)
+def test_jax_platforms_decides_when_set(platforms, expected):
+    assert cpu_only({"JAX_PLATFORMS": platforms}) is expected
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_an_installed_accelerator_plugin_decides_otherwise(monkeypatch, installed):
+    monkeypatch.setattr(cpu_compile, "accelerator_plugin_installed", lambda: installed)
+    assert cpu_only({}) is not installed
+
+
+@pytest.mark.usefixtures("before_jax_starts")
+def test_the_flag_is_added_after_the_callers_flags():
+    environ = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    assert prefer_fast_cpu_compile(environ)
+    assert environ["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=4 {FAST_CPU_COMPILE_FLAG}"
+    assert prefer_fast_cpu_compile(environ)  # a second call adds nothing
+    assert environ["XLA_FLAGS"].count(FAST_CPU_COMPILE_FLAG) == 1
+
+
+@pytest.mark.usefixtures("before_jax_starts")
+def test_the_callers_own_setting_of_the_flag_wins():
+    environ = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_cpu_use_fusion_emitters=true"}
+    assert not prefer_fast_cpu_compile(environ)
+    assert environ["XLA_FLAGS"] == "--xla_cpu_use_fusion_emitters=true"
+
+
+@pytest.mark.usefixtures("before_jax_starts")
+def test_nothing_is_added_where_jax_may_use_an_accelerator():
+    environ = {"JAX_PLATFORMS": "tpu"}
+    assert not prefer_fast_cpu_compile(environ)
+    assert "XLA_FLAGS" not in environ
+
+
+def test_nothing_is_added_once_jax_has_started():
+    # The flag could no longer apply in this process, and the compilation cache would file its
+    # programs under the flag's name.
+    jax.devices()
+    environ = {"JAX_PLATFORMS": "cpu"}
+    assert not prefer_fast_cpu_compile(environ)
+    assert "XLA_FLAGS" not in environ
+
+
+def test_the_test_session_and_the_cli_compile_with_the_flag_on_a_cpu():
+    if not cpu_only():
+        pytest.skip("JAX may use an accelerator here: the flag is left out")
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    if any(flag.startswith(f"{FLAG_NAME}=") for flag in flags if flag != FAST_CPU_COMPILE_FLAG):
+        pytest.skip(f"$XLA_FLAGS sets {FLAG_NAME} otherwise: the caller's setting wins")
+    assert FAST_CPU_COMPILE_FLAG in flags
+    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    script = textwrap.dedent("""
+        import os
+        from conformance import cli
+        cli.main(["gate", "none.json"])
+        print(os.environ["XLA_FLAGS"])
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == [FAST_CPU_COMPILE_FLAG]
