@@ -94,7 +94,7 @@ def chunk_kda(
     if cu_seqlens is None:
         cu_seqlens = jnp.arange(shapes.batch + 1, dtype=jnp.int32) * shapes.tokens
     # Zeros are made here, not under jit: a call with and one without initial states share one program.
-    init = initial_or_zeros(initial_state, (shapes.num_seqs, shapes.heads, shapes.key_dim, shapes.value_dim))
+    init = initial_or_zeros(initial_state, shapes.state_shape)
     o, final = _chunk_kda(
         q,
         k,

@@ -74,7 +74,7 @@ def fused_recurrent_kda(
     if cu_seqlens is not None:
         cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
     # Zeros are made here, not under jit: a call with and one without initial states share one program.
-    init = initial_or_zeros(initial_state, (shapes.num_seqs, shapes.heads, shapes.key_dim, shapes.value_dim))
+    init = initial_or_zeros(initial_state, shapes.state_shape)
     o, final = _fused_recurrent_kda(
         q,
         k,

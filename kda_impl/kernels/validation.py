@@ -24,6 +24,11 @@ class KernelShapes:
     key_dim: int
     value_dim: int
 
+    @property
+    def state_shape(self) -> tuple[int, int, int, int]:
+        """(N, H, K, V): the initial and final states of the call."""
+        return (self.num_seqs, self.heads, self.key_dim, self.value_dim)
+
 
 def static_validate_inputs(
     q: jax.Array,  # [B, T, H, K]

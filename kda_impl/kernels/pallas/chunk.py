@@ -87,7 +87,7 @@ def chunk_kda(
     gate = validate_gate_inputs(use_gate_in_kernel, A_log, dt_bias, shapes.heads, shapes.key_dim)
     out_dtype = q.dtype
     q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    init = initial_or_zeros(initial_state, (shapes.num_seqs, shapes.heads, shapes.key_dim, shapes.value_dim))
+    init = initial_or_zeros(initial_state, shapes.state_shape)
     batch, tokens = shapes.batch, shapes.tokens
     if cu_seqlens is None:
         cu_seqlens = jnp.arange(batch + 1, dtype=jnp.int32) * tokens
