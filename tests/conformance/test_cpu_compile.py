@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def before_jax_starts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This test process's backends have started long ago: pretend they have not."""
+    """The backends of this test process may have started already: pretend they have not."""
     monkeypatch.setattr(cpu_compile, "_backends_started", lambda: False)
 
 
