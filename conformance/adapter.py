@@ -48,6 +48,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from conformance.tracebacks import own_traceback
 from kda_spec.config import KDAConfig
 
 
@@ -182,8 +183,25 @@ class KDAAdapter(abc.ABC):
 BUILTIN_ADAPTERS = {"kda_impl": "conformance.adapters.kda_impl_adapter:KDAImplAdapter"}
 
 
+class AdapterImportError(Exception):
+    """The adapter's module exists but raised while it was imported (a syntax error, an exception at
+    import time, a dependency of its own that is missing): a fault of the implementation under test.
+    `traceback_text` is its own traceback, without the import machinery's frames."""
+
+    def __init__(self, spec: str, module_name: str, err: BaseException):
+        super().__init__(f"--impl {spec!r}: importing {module_name!r} raised {type(err).__name__}: {err}")
+        machinery = (__file__, importlib.__file__)
+        self.traceback_text = own_traceback(err, lambda name: name.startswith("<frozen") or name in machinery)
+
+
+def _names_the_module(err: ModuleNotFoundError, module_name: str) -> bool:
+    """Whether the missing module is `module_name` itself (or a package above it), not one it imports."""
+    return err.name is not None and (module_name == err.name or module_name.startswith(err.name + "."))
+
+
 def load_adapter_class(spec: str) -> type[KDAAdapter]:
-    """Resolve `kda_impl` or `package.module:Attr` to an adapter class, with a clear error."""
+    """Resolve `kda_impl` or `package.module:Attr` to an adapter class, with a clear error: a ValueError
+    when `spec` names nothing importable, an `AdapterImportError` when its module raised on import."""
     target = BUILTIN_ADAPTERS.get(spec, spec)
     if ":" not in target:
         raise ValueError(
@@ -192,8 +210,14 @@ def load_adapter_class(spec: str) -> type[KDAAdapter]:
     module_name, attr = target.split(":", 1)
     try:
         module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"--impl {spec!r}: cannot import module {module_name!r}: {err}") from err
+    except ModuleNotFoundError as err:
+        if not _names_the_module(err, module_name):
+            raise AdapterImportError(spec, module_name, err) from err
+        raise ValueError(
+            f"--impl {spec!r}: no module named {err.name!r} on the import path (the current folder first)"
+        ) from err
+    except Exception as err:
+        raise AdapterImportError(spec, module_name, err) from err
     try:
         cls = getattr(module, attr)
     except AttributeError:

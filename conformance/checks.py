@@ -17,6 +17,17 @@ import numpy as np
 
 from conformance import sequences
 from conformance.adapter import KDAAdapter, LayerResult
+from conformance.guard import (
+    CallShapes,
+    CallWatchdog,
+    FaultLog,
+    GuardedAdapter,
+    ImplementationFault,
+    build_adapter,
+    checked_kernel_result,
+    checked_layer_result,
+    read_only_weights,
+)
 from conformance.metrics import (
     Attribution,
     Comparison,
@@ -146,7 +157,10 @@ def _decode_run(check: str) -> int | None:
 
 
 class CheckRunner:
-    """Computes checks through one adapter per dtype, caching layer calls within the current case."""
+    """Computes checks through one adapter per dtype, caching layer calls within the current case.
+
+    Every adapter call goes through `conformance.guard` (copied arguments, checked results, faults
+    logged in `faults`, each call watched by `watchdog` when there is one)."""
 
     def __init__(
         self,
@@ -155,14 +169,18 @@ class CheckRunner:
         kernel: str,
         policy: TolerancePolicy,
         options: Mapping[str, str] | None = None,
+        watchdog: CallWatchdog | None = None,
     ):
         self.dumps = dumps
         self.adapter_class = adapter_class
         self.kernel = kernel
         self.policy = policy
         self.options = dict(options or {})  # the adapter's `--impl-option`s
+        self.watchdog = watchdog
+        self.faults = FaultLog()
         self.adapters: dict[str, KDAAdapter] = {}
-        self._adapter_errors: dict[str, Exception] = {}
+        self._guarded: dict[str, GuardedAdapter] = {}
+        self._adapter_faults: dict[str, ImplementationFault] = {}
         self._weights: dict[str, np.ndarray] | None = None
         self._case: CaseData | None = None
         self._memo: dict[tuple[Any, ...], Any] = {}
@@ -177,18 +195,29 @@ class CheckRunner:
         return self._weights
 
     def adapter(self, dtype: str) -> KDAAdapter:
-        """The implementation for `dtype`, built once; a failure to build it is raised to every check."""
-        if dtype in self._adapter_errors:
-            raise self._adapter_errors[dtype]
+        """The implementation for `dtype`, built once (from its own read-only copy of the weights); a
+        failure to build it is an `ImplementationFault`, raised afresh to every check that needs it."""
+        if dtype in self._adapter_faults:
+            raise self._adapter_faults[dtype].fresh()
         if dtype not in self.adapters:
+            label = f"{self.adapter_class.__name__}(config, weights, {dtype!r}, {self.kernel!r})"
+            args = (self.dumps.config, read_only_weights(self.weights()), dtype, self.kernel)
             try:
-                self.adapters[dtype] = self.adapter_class(
-                    self.dumps.config, self.weights(), dtype, self.kernel, options=self.options
+                adapter = build_adapter(
+                    self.adapter_class, label, args, {"options": self.options}, self.faults
                 )
-            except Exception as err:
-                self._adapter_errors[dtype] = err
+            except ImplementationFault as fault:
+                self._adapter_faults[dtype] = fault
                 raise
+            self.adapters[dtype] = adapter
+            self._guarded[dtype] = GuardedAdapter(adapter, self.watchdog, self.faults)
         return self.adapters[dtype]
+
+    def use_adapter(self, dtype: str, adapter: KDAAdapter) -> None:
+        """Run the `dtype` checks on `adapter` from now on (`conformance power`'s injected ones)."""
+        self.adapters[dtype] = adapter
+        self._guarded[dtype] = GuardedAdapter(adapter, self.watchdog, self.faults)
+        self._adapter_faults.pop(dtype, None)
 
     def case(self, case_id: str) -> CaseData:
         if self._case is None or self._case.info.case_id != case_id:
@@ -198,16 +227,21 @@ class CheckRunner:
         return self._case
 
     def _memoized(self, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
-        """compute() once per case; a failure too, so that the checks sharing it do not repeat it."""
+        """compute() once per case; a failure too, so that the checks sharing it do not repeat it (a
+        fault or skip raised afresh to each, so that no traceback grows)."""
         if key not in self._memo:
             try:
                 self._memo[key] = (True, compute())
             except Exception as err:
                 self._memo[key] = (False, err)
         ok, value = self._memo[key]
-        if not ok:
-            raise value
-        return value
+        if ok:
+            return value
+        if isinstance(value, ImplementationFault):
+            raise value.fresh()
+        if isinstance(value, CheckSkipped):
+            raise CheckSkipped(str(value))
+        raise value
 
     # --------------------------------------------------------------------------------------- checks
 
@@ -420,9 +454,7 @@ class CheckRunner:
         """One prefill of the whole case."""
         return self._memoized(
             ("layer", dtype),
-            lambda: self._call(
-                dtype, "layer_extend", self.inputs(case, dtype), case.cu_seqlens, case.initial_state
-            ),
+            lambda: self._extend(dtype, self.inputs(case, dtype), case.cu_seqlens, case.initial_state),
         )
 
     def kernel_on_dump(self, case: CaseData, dtype: str, path: str) -> tuple[np.ndarray, np.ndarray]:
@@ -439,8 +471,13 @@ class CheckRunner:
         """The `path` kernel ("chunk" or "fused_recurrent") on the conv outputs, g and beta in `stages`."""
         q, k, v, g, beta = (np.asarray(stages[name]) for name in KERNEL_INPUTS)
         method = "chunk_kernel" if path == "chunk" else "recurrent_kernel"
+        arguments = {
+            "q": l2norm(q), "k": l2norm(k), "v": v, "g": g, "beta": beta,
+            "cu_seqlens": case.cu_seqlens, "initial_state": case.initial_state,
+        }  # fmt: skip
+        shapes = CallShapes(len(q), len(case.cu_seqlens) - 1, self.dumps.manifest["config"])
         return self._call(
-            dtype, method, l2norm(q), l2norm(k), v, g, beta, case.cu_seqlens, case.initial_state
+            dtype, method, arguments, lambda result, call: checked_kernel_result(result, call, shapes)
         )
 
     def decode(self, case: CaseData, dtype: str, k: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -464,23 +501,20 @@ class CheckRunner:
             raise CheckSkipped("every sequence is 1 token long: no decode step follows a non-empty prefill")
         x = self.inputs(case, dtype)
         prefill = [(0, n - s) for n, s in zip(seq_lens, steps)]
-        result = self._call(
+        result = self._extend(
             dtype,
-            "layer_extend",
             sequences.gather(x, cu, prefill),
             sequences.offsets([n - s for n, s in zip(seq_lens, steps)]),
             case.initial_state,
         )
         out = np.zeros(x.shape, np.float32)
-        out[sequences.rows(cu, prefill)] = np.asarray(result.out)
-        carry = result.carry
+        out[sequences.rows(cu, prefill)] = result.out
         for step in range(max(steps)):
             positions = [cu[i] + seq_lens[i] - steps[i] + step for i in range(len(seq_lens))]
             live = [step < s for s in steps]
             tokens = np.stack([x[p] if on else np.zeros_like(x[0]) for p, on in zip(positions, live)])
-            result = self._call(dtype, "layer_decode", tokens, carry)
-            carry = result.carry
-            decoded = np.asarray(result.out)
+            result = self._decode_step(dtype, tokens, self._carry(result, "decode"))
+            decoded = result.out
             for i, (p, on) in enumerate(zip(positions, live)):
                 if on:
                     out[p] = decoded[i]
@@ -501,20 +535,64 @@ class CheckRunner:
         out = np.zeros(x.shape, np.float32)
         result = None
         for ranges in pieces:
-            result = self._call(
+            result = self._extend(
                 dtype,
-                "layer_extend",
                 sequences.gather(x, cu, ranges),
                 sequences.offsets([hi - lo for lo, hi in ranges]),
                 case.initial_state if result is None else None,
-                None if result is None else result.carry,
+                None if result is None else self._carry(result, "chunked prefill"),
             )
-            out[sequences.rows(cu, ranges)] = np.asarray(result.out)
+            out[sequences.rows(cu, ranges)] = result.out
         return out, result.final_state
 
-    def _call(self, dtype: str, method: str, *args: Any) -> Any:
-        """Call an adapter method; a path it lacks (NotImplementedError) skips the check."""
+    def _extend(
+        self,
+        dtype: str,
+        hidden_states: np.ndarray,
+        cu_seqlens: np.ndarray,
+        initial_state: np.ndarray | None,
+        carry: Any = None,
+    ) -> LayerResult:
+        """`layer_extend` on a packed batch (a prefill, or its next piece with `carry`), checked."""
+        arguments = {
+            "hidden_states": hidden_states, "cu_seqlens": cu_seqlens,
+            "initial_state": initial_state, "carry": carry,
+        }  # fmt: skip
+        shapes = CallShapes(len(hidden_states), len(cu_seqlens) - 1, self.dumps.manifest["config"])
+        return self._call(
+            dtype,
+            "layer_extend",
+            arguments,
+            lambda result, call: checked_layer_result(result, call, shapes),
+        )
+
+    def _decode_step(self, dtype: str, tokens: np.ndarray, carry: Any) -> LayerResult:
+        """`layer_decode` of one token per sequence of `carry`, checked."""
+        shapes = CallShapes(len(tokens), len(tokens), self.dumps.manifest["config"])
+        return self._call(
+            dtype,
+            "layer_decode",
+            {"hidden_states": tokens, "carry": carry},
+            lambda result, call: checked_layer_result(result, call, shapes),
+        )
+
+    def _carry(self, result: LayerResult, purpose: str) -> Any:
+        """The carry to continue from; an adapter that returns none cannot continue a sequence."""
+        if result.carry is None:
+            raise CheckSkipped(f"adapter {self.adapter_class.name!r} returns no carry: no {purpose} path")
+        return result.carry
+
+    def _call(
+        self,
+        dtype: str,
+        method: str,
+        arguments: dict[str, Any],
+        validate: Callable[[Any, str], Any],
+    ) -> Any:
+        """Call an adapter method through its guard; a path it lacks (NotImplementedError) skips the
+        check, any other failure is an `ImplementationFault`."""
+        self.adapter(dtype)  # built (or its fault raised) first
         try:
-            return getattr(self.adapter(dtype), method)(*args)
+            return self._guarded[dtype].call(method, arguments, validate)
         except NotImplementedError as err:
             raise CheckSkipped(str(err) or f"adapter has no {method}") from None

@@ -1,7 +1,8 @@
 """`python -m conformance {run,gate,diff,verify,power}` (docs/cli.md).
 
 Exit codes: 0 all holds; 1 a check or stage out of tolerance, or a gate breach; 2 a usage error, an
-unreadable or broken dump set or report.
+unreadable or broken dump set or report, an interrupted or incomplete run; 3 the implementation under
+test raised, timed out or broke the adapter contract.
 """
 
 from __future__ import annotations
@@ -11,14 +12,25 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from conformance.adapter import KDAAdapter, load_adapter_class, parse_option_pairs
+from conformance.adapter import AdapterImportError, KDAAdapter, load_adapter_class, parse_option_pairs
 from conformance.compile_cache import enable_compile_cache
 from conformance.cpu_compile import prefer_fast_cpu_compile
-from conformance.output_files import check_writable_file, clear_report_dir, nothing_checked
+from conformance.guard import (
+    DEFAULT_CALL_TIMEOUT_S,
+    EXIT_IMPLEMENTATION,
+    CallWatchdog,
+    ImplementationFault,
+    checked_call_timeout,
+)
+from conformance.output_files import check_writable_file, clear_report_dir
 from conformance.reader import DumpError, DumpSet
 from conformance.tolerances import DEFAULT_POLICY_FILE, TolerancePolicy, check_growth_factor
 from kda_spec.dump_format import DTYPES
+
+if TYPE_CHECKING:
+    from conformance.suite.session import SuiteOptions
 
 SUITE_FILE = Path(__file__).with_name("suite") / "test_conformance.py"
 KERNELS = ("auto", "naive", "pallas")
@@ -43,6 +55,13 @@ def _add_impl_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tolerances", default=str(DEFAULT_POLICY_FILE), help="tolerance policy file")
     parser.add_argument("--tp", metavar="N", help="kda_impl's tensor-parallel size: --impl-option tp=N")
     parser.add_argument("--dp", metavar="M", help="kda_impl's data-parallel size: --impl-option dp=M")
+    parser.add_argument(
+        "--call-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop the run when one adapter call takes longer (default 900; 0: no limit)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,7 +145,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _adapter(args: argparse.Namespace) -> tuple[type[KDAAdapter], dict[str, str]]:
     """The adapter class of `--impl` and its options (`--impl-option`, `--tp`/`--dp` as `tp`/`dp`),
-    checked by the adapter itself (`parse_options`)."""
+    checked by the adapter itself (`parse_options`). An adapter module that raises on import is an
+    `AdapterImportError` (`main` makes it exit 3)."""
     try:
         adapter_class = load_adapter_class(args.impl)
         options = parse_option_pairs(args.impl_options)
@@ -142,8 +162,46 @@ def _adapter(args: argparse.Namespace) -> tuple[type[KDAAdapter], dict[str, str]
     return adapter_class, options
 
 
+def _suite_options(args: argparse.Namespace, options: dict[str, str]) -> SuiteOptions:
+    from conformance.suite.session import SuiteOptions, parse_dtypes
+
+    try:
+        dtypes = parse_dtypes(args.dtypes)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    return SuiteOptions(
+        dumps=args.dumps,
+        impl=args.impl,
+        kernel=args.kernel,
+        dtypes=dtypes,
+        cases=args.cases,
+        report_dir=Path(args.report_dir),
+        tolerances=Path(args.tolerances),
+        impl_options=options,
+        call_timeout_s=_call_timeout(args),
+    )
+
+
+def _call_timeout(args: argparse.Namespace) -> float:
+    try:
+        return checked_call_timeout(
+            DEFAULT_CALL_TIMEOUT_S if args.call_timeout is None else args.call_timeout
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def _implementation_fault(message: str, trace: str) -> int:
+    """The implementation could not be imported or built: one `error:` line, its traceback once."""
+    print(f"error: {message}", file=sys.stderr)
+    print(trace.rstrip(), file=sys.stderr)
+    return EXIT_IMPLEMENTATION
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     import pytest
+
+    from conformance.suite.session import ConformanceSession, ProvidedSession
 
     report_dir = Path(args.report_dir)
     try:
@@ -153,40 +211,49 @@ def cmd_run(args: argparse.Namespace) -> int:
     _open_verified(args.dumps)
     _policy(args.tolerances)
     _, options = _adapter(args)
+    suite_options = _suite_options(args, options)
+    enable_compile_cache()
+    try:
+        session = ConformanceSession(suite_options)
+    except ValueError as err:  # --cases naming a case the set lacks
+        raise UsageError(str(err)) from None
+    try:
+        session.build_implementation()
+    except ImplementationFault as fault:
+        session.write_reports()
+        return _implementation_fault(fault.message, fault.traceback_text)
     pytest_args = [
         str(SUITE_FILE),
         "-c", os.devnull,  # the suite's behaviour does not depend on the pytest settings of the cwd
         f"--rootdir={SUITE_FILE.parent}",
-        f"--dumps={args.dumps}",
-        f"--impl={args.impl}",
-        f"--kernel={args.kernel}",
-        f"--dtypes={args.dtypes}",
-        f"--report-dir={report_dir}",
-        f"--tolerances={args.tolerances}",
-        *(f"--impl-option={key}={value}" for key, value in options.items()),
-        f"--junitxml={report_dir / 'junit.xml'}",
-        "-o", "junit_family=xunit1",
-        "-o", "junit_suite_name=kda-conformance",
         "-p", "no:cacheprovider",
-        "-rN",
+        "-rN",  # no short summary: the suite's own lists each check that did not hold
+        "--tb=no",  # one line per check; the suite prints each distinct traceback once
     ]  # fmt: skip
-    if args.cases:
-        pytest_args += ["--cases", *args.cases]
     if args.keyword:
         pytest_args += ["-k", args.keyword]
     if args.exitfirst:
         pytest_args.append("-x")
     pytest_args += args.pytest_args
-    enable_compile_cache()
-    code = int(pytest.main(pytest_args))
-    unchecked = nothing_checked(report_dir, code, args.keyword)
+    code = int(pytest.main(pytest_args, plugins=[ProvidedSession(session)]))
+    verdict = session.exit_code(code)
+    if verdict is not None:
+        return verdict
+    unchecked = session.nothing_checked(code, args.keyword)
     if unchecked:
         raise UsageError(unchecked)
-    return {0: EXIT_OK, 1: EXIT_FAIL}.get(code, EXIT_USAGE)
+    return EXIT_OK if code == 0 else EXIT_USAGE
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    from conformance.gate import ReportError, breaches, dump_set_mismatch, load_report, status_counts
+    from conformance.gate import (
+        ReportError,
+        breaches,
+        dump_set_mismatch,
+        has_implementation_faults,
+        load_report,
+        status_counts,
+    )
 
     policy = _policy(args.tolerances)
     try:
@@ -212,7 +279,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
         print(f"gate: FAIL ({len(found)} breach{'es' if len(found) > 1 else ''}; {totals})")
         for line in found:
             print(f"  {line}")
-        return EXIT_FAIL
+        return EXIT_IMPLEMENTATION if has_implementation_faults(report) else EXIT_FAIL
     against = f" against baseline {args.baseline} (growth ≤ ×{factor:g})" if baseline else ""
     print(f"gate: ok ({totals}){against}")
     return EXIT_OK
@@ -239,7 +306,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
             raise UsageError(str(err)) from None
     adapter_class, options = _adapter(args)
     enable_compile_cache()
-    runner = CheckRunner(dumps, adapter_class, args.kernel, _policy(args.tolerances), options)
+    watchdog = CallWatchdog(_call_timeout(args), EXIT_IMPLEMENTATION)
+    runner = CheckRunner(dumps, adapter_class, args.kernel, _policy(args.tolerances), options, watchdog)
     if not runner.case(args.case).has_dtype(args.dtype):
         raise UsageError(f"case {args.case!r} of {args.dumps} has no {args.dtype} run")
     results = run_stages(runner, args.case, args.dtype)
@@ -294,3 +362,5 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, DumpError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except AdapterImportError as err:
+        return _implementation_fault(str(err), err.traceback_text)

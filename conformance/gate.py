@@ -47,10 +47,30 @@ def load_report(path: str | Path) -> dict[str, Any]:
         if check["id"] in seen:
             raise ReportError(f"{path}: checks[{index}]: check id {check['id']!r} appears twice")
         seen.add(check["id"])
+    _check_complete(report.get("completion"), len(checks), path)
     dumps = report.get("dumps", {})
     if not isinstance(dumps, dict) or not isinstance(dumps.get("manifest_sha256", ""), str):
         raise ReportError(f"{path}: 'dumps' must be an object whose 'manifest_sha256' is a string")
     return report
+
+
+def _check_complete(completion: Any, checks: int, path: Path) -> None:
+    """An incomplete run (interrupted, stopped by a call timeout or `-x`) is no verdict: a ReportError.
+    The count of its checks is held against its plan, not its own word."""
+    if not isinstance(completion, dict) or not isinstance(completion.get("planned"), int):
+        raise ReportError(f"{path}: report has no 'completion' block with the number of 'planned' checks")
+    stopped = completion.get("stopped")
+    if stopped is not None or checks != completion["planned"] or completion.get("complete") is not True:
+        raise ReportError(
+            f"{path}: the run is incomplete: {checks} of {completion['planned']} planned checks ran"
+            f" ({stopped or 'stopped early'}); an incomplete run is no verdict"
+        )
+
+
+def has_implementation_faults(report: dict[str, Any]) -> bool:
+    """Whether the run records a fault of the implementation under test (it raised, timed out or broke
+    the adapter contract): the gate then exits 3, as `run` did."""
+    return bool(report.get("faults"))
 
 
 def _check_structure(check: Any, label: str) -> None:

@@ -6,13 +6,11 @@ belong to the last run: a run that stops early leaves none that `gate` could pas
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from conformance.positions import POSITION_FILES
 
 REPORT_FILES = ("report.json", "report.md", "junit.xml", *POSITION_FILES)
-_PYTEST_NO_TESTS_COLLECTED = 5
 
 
 def clear_report_dir(folder: Path) -> None:
@@ -37,25 +35,3 @@ def check_writable_file(path: Path, option: str) -> None:
             path.unlink()
     except OSError as err:
         raise ValueError(f"{option} {path}: cannot write there ({err.strerror or err})") from None
-
-
-def nothing_checked(folder: Path, pytest_code: int, keyword: str | None) -> str | None:
-    """Why a finished run compared nothing (no check selected, or every check skipped), else None."""
-    if pytest_code == _PYTEST_NO_TESTS_COLLECTED:
-        if keyword:
-            return (
-                f"nothing was checked: -k {keyword!r} matches no check "
-                "(check ids read <case>-<dtype>-<check>, as T65-fp32-layer)"
-            )
-        return "nothing was checked: no check was selected"
-    try:
-        checks = json.loads((folder / "report.json").read_text())["checks"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # the run stopped before writing its report; pytest said why
-    if checks and all(check["status"] == "skipped" for check in checks):
-        first = checks[0]
-        return (
-            f"nothing was checked: all {len(checks)} checks were skipped "
-            f"(as {first['id']}: {first['message']})"
-        )
-    return None

@@ -226,7 +226,7 @@ class PowerMeter:
         out those `baseline[dtype]` fails. A check that raises (other than a skip) fails under both."""
         adapter = self.adapter(dtype, layer_class)
         adapter.inject(injection)
-        self.runner.adapters[dtype] = adapter
+        self.runner.use_adapter(dtype, adapter)
         self.runner.forget_results()
         failed: dict[str, list[str]] = {policy: [] for policy in POLICIES}
         ratios: dict[str, dict[str, float]] = {policy: {} for policy in POLICIES}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import importlib.metadata
@@ -18,14 +19,17 @@ import rich.table
 import tabulate
 
 from conformance.checks import GROUPS, CheckSpec
+from conformance.guard import fault_lines
 from conformance.metrics import VERDICTS, Comparison, percent
 from conformance.tolerances import CONTRACT_MODE
 
 REPORT_FORMAT = "kda-conformance-report"
-REPORT_VERSION = 1
+REPORT_VERSION = 2
 STATUSES = ("passed", "failed", "error", "skipped")
 _VERSIONED_PACKAGES = ("kda-conformance", "jax", "jaxlib", "flax", "numpy", "ml_dtypes")
 _TEXT_WIDTH = 240  # wide enough that a table row never wraps in a log
+#: The terminal lists at most this many failing checks (or groups of checks with one message).
+_BAD_LINES_SHOWN = 30
 
 
 @dataclasses.dataclass
@@ -88,11 +92,29 @@ def environment() -> dict[str, Any]:
     }
 
 
-def build_report(records: list[Record], meta: dict[str, Any], close_margin: float) -> dict[str, Any]:
+def build_report(
+    records: list[Record],
+    meta: dict[str, Any],
+    close_margin: float,
+    planned: int | None = None,
+    stopped: str | None = None,
+) -> dict[str, Any]:
+    """The report of `records`; a run that `stopped` early (why), or ran fewer checks than it `planned`
+    (default: as many as it ran), is incomplete."""
+    planned = len(records) if planned is None else planned
+    completion = {
+        "complete": stopped is None and len(records) >= planned,
+        "planned": planned,
+        "ran": len(records),
+        "stopped": stopped,
+    }
     return {
         "format": REPORT_FORMAT,
         "version": REPORT_VERSION,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "completion": completion,
+        "faults": [],
+        "checker_errors": [],
         **meta,
         "summary": summary_counts(records, close_margin),
         "checks": [record.as_dict(close_margin) for record in records],
@@ -173,6 +195,8 @@ def _rfc_cell(groups: dict[str, list[dict[str, Any]]], tolerance: dict[str, Any]
     """The RFC's tolerance, and how many of the compared checks it would fail."""
     compared = [c["metrics"]["rfc"] for checks in groups.values() for c in checks if c["metrics"]]
     outside = sum(not rfc.get("passed", False) for rfc in compared)
+    if not compared:
+        return f"{_limit(tolerance)}: nothing compared"
     return f"{_limit(tolerance)}: " + (f"{outside}/{len(compared)} out" if outside else "holds")
 
 
@@ -211,18 +235,93 @@ def _where(metrics: dict[str, Any]) -> str:
     return ", ".join(f"{axis} {i}" for axis, i in metrics.get("worst", {}).get("index", {}).items())
 
 
+def verdict_word(report: dict[str, Any]) -> str:
+    """PASS, FAIL (out of tolerance), ERROR (the implementation or the checker raised), INCOMPLETE (the
+    run stopped before its plan ran), or NOTHING CHECKED (every check skipped)."""
+    counts = report["summary"]
+    if not report["completion"]["complete"]:
+        return "INCOMPLETE"
+    if counts["error"]:
+        return "ERROR"
+    if counts["failed"]:
+        return "FAIL"
+    return "PASS" if counts["passed"] else "NOTHING CHECKED"
+
+
+def _skip_reasons(report: dict[str, Any], shown: int = 2) -> str:
+    reasons = collections.Counter(c["message"] for c in report["checks"] if c["status"] == "skipped")
+    text = "; ".join(f"{n}: {reason}" for reason, n in reasons.most_common(shown))
+    if len(reasons) > shown:
+        text += f"; {len(reasons) - shown} other reasons"
+    return f" ({text})" if text else ""
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
+def headline(report: dict[str, Any]) -> str:
+    """The first line of every summary: the verdict, what was checked, what was skipped and why, and
+    how far an incomplete run got."""
+    counts, completion = report["summary"], report["completion"]
+    checked = counts["passed"] + counts["failed"]
+    parts = [f"{checked} checked" + (f" ({counts['failed']} out of tolerance)" if counts["failed"] else "")]
+    if counts["error"]:
+        errors, faults = counts["error"], len(report["faults"])
+        parts.append(f"{_count(errors, 'error')} ({_count(faults, 'distinct implementation fault')})")
+    parts.append(f"{counts['skipped']} skipped{_skip_reasons(report)}")
+    line = f"{verdict_word(report)}: " + ", ".join(parts)
+    if not completion["complete"]:
+        line += (
+            f"; {completion['ran']} of {completion['planned']} planned checks ran: {completion['stopped']}"
+        )
+    return line
+
+
+def _bad_check_lines(report: dict[str, Any]) -> list[str]:
+    """The checks that failed or errored, those sharing one message on one line, at most
+    `_BAD_LINES_SHOWN` lines."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for check in report["checks"]:
+        if check["status"] in ("failed", "error"):
+            groups.setdefault((check["status"], check["message"]), []).append(check["id"])
+    lines = []
+    for (status, message), ids in list(groups.items())[:_BAD_LINES_SHOWN]:
+        if len(ids) == 1:
+            lines.append(f"{status.upper()} {ids[0]}: {message}")
+        else:
+            named = ", ".join(ids[:3]) + (", …" if len(ids) > 3 else "")
+            lines.append(f"{status.upper()} {len(ids)} checks ({named}): {message}")
+    if len(groups) > _BAD_LINES_SHOWN:
+        hidden = sum(len(ids) for ids in list(groups.values())[_BAD_LINES_SHOWN:])
+        lines.append(f"… and {hidden} more checks that did not hold: report.md lists every one")
+    return lines
+
+
+def _problem_lines(report: dict[str, Any]) -> list[str]:
+    """Each implementation fault and checker error once, with its traceback (cut)."""
+    lines = []
+    if report["faults"]:
+        lines.append("implementation faults, each once with the adapter's traceback:")
+        lines += fault_lines(report["faults"])
+    for error in report["checker_errors"]:
+        lines.append(f"checker error (a bug of the conformance suite; please report it): {error['message']}")
+        lines += [f"    {line}" for line in error["traceback"].rstrip().splitlines()]
+    return lines
+
+
 def terminal_lines(report: dict[str, Any]) -> list[str]:
-    """The table printed at the end of a run, then every check that did not hold."""
+    """The verdict line, the faults, the table printed at the end of a run, then the checks that did
+    not hold."""
     header, body = summary_rows(report)
-    lines = format_text_table(header, body)
+    lines = [headline(report), *_problem_lines(report), *format_text_table(header, body)]
     lines.append(
         "cells: worst ratio to the gate's limit in the group (<= 1 holds), ok* = some skipped; "
         "RFC tolerance: the RFC's limit for the row's dtype and the checks outside it (reported, not gated)"
     )
     header, rows = attribution_rows(report)
     lines.append(f"attribution against the float64 truth: {rows[-1][header.index('verdict')]}")
-    bad = [check for check in report["checks"] if check["status"] in ("failed", "error")]
-    lines += [f"{check['status'].upper()} {check['id']}: {check['message']}" for check in bad]
+    lines += _bad_check_lines(report)
     counts = report["summary"]
     lines.append(
         ", ".join(f"{counts[s]} {s}" for s in STATUSES) + f" ({counts['close_to_limit']} close to the limit)"
@@ -234,15 +333,15 @@ def markdown(report: dict[str, Any]) -> str:
     """report.md: what was run, the summary table, what failed, and every check's numbers."""
     report = _json_safe(report)
     impl, env, counts = report["implementation"], report["environment"], report["summary"]
-    verdict = "**PASS**" if counts["failed"] == counts["error"] == 0 else "**FAIL**"
     manifest = report["dumps"]["manifest"]
     reference = manifest.get("reference", {})
+    word = verdict_word(report)
     lines = [
         "# KDA conformance report",
         "",
-        f"{verdict}: "
-        + ", ".join(f"{counts[s]} {s}" for s in STATUSES)
-        + f", {counts['close_to_limit']} close to the limit.",
+        f"**{word}**" + headline(report).removeprefix(word) + ".",
+        "",
+        ", ".join(f"{counts[s]} {s}" for s in STATUSES) + f", {counts['close_to_limit']} close to the limit.",
         "",
         f"- implementation: `{impl['impl']}` ({impl['name']}), kernel requested `{impl['kernel']}`, "
         f"used {_kernels_used(impl['kernel_used'])}",
@@ -260,6 +359,9 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         *_markdown_table(*summary_rows(report)),
     ]
+    if report["faults"] or report["checker_errors"]:
+        lines += ["", "## Faults", "", "Each distinct fault once, with its traceback.", "", "```"]
+        lines += [*_problem_lines(report), "```"]
     bad = [check for check in report["checks"] if check["status"] in ("failed", "error")]
     if bad:
         lines += ["", "## Failures", ""]

@@ -10,12 +10,25 @@ import pytest
 
 from conformance.adapter import parse_option_pairs
 from conformance.checks import CheckSpec
+from conformance.guard import (
+    DEFAULT_CALL_TIMEOUT_S,
+    EXIT_IMPLEMENTATION,
+    ImplementationFault,
+    fault_lines,
+    one_line,
+)
 from conformance.reader import DumpError
 from conformance.report import terminal_lines
-from conformance.suite.session import ConformanceSession, SuiteOptions, parse_dtypes
+from conformance.suite.session import (
+    ConformanceSession,
+    ProvidedSession,
+    SuiteOptions,
+    parse_dtypes,
+)
 from conformance.tolerances import DEFAULT_POLICY_FILE
 
 SESSION = pytest.StashKey[ConformanceSession]()
+FINAL_REPORT = pytest.StashKey[dict[str, Any]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -34,9 +47,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--cases", nargs="+", metavar="ID", help="case ids (default: every case of the set)")
     group.addoption("--report-dir", metavar="DIR", help="write report.json and report.md here")
     group.addoption("--tolerances", default=str(DEFAULT_POLICY_FILE), help="the tolerance policy file")
+    group.addoption(
+        "--call-timeout",
+        type=float,
+        default=DEFAULT_CALL_TIMEOUT_S,
+        metavar="SECONDS",
+        help="stop the run when one adapter call takes longer (0: no limit)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    provided = next((p for p in config.pluginmanager.get_plugins() if isinstance(p, ProvidedSession)), None)
+    if provided is not None:  # the command line opened the dump set and built the implementation
+        config.stash[SESSION] = provided.session
+        return
     if not config.getoption("--dumps"):
         raise pytest.UsageError("the conformance suite needs --dumps DIR_OR_URL")
     report_dir = config.getoption("--report-dir")
@@ -50,10 +74,30 @@ def pytest_configure(config: pytest.Config) -> None:
             report_dir=Path(report_dir) if report_dir else None,
             tolerances=Path(config.getoption("--tolerances")),
             impl_options=parse_option_pairs(config.getoption("--impl-option")),
+            call_timeout_s=config.getoption("--call-timeout"),
         )
         config.stash[SESSION] = ConformanceSession(options)
     except (DumpError, ValueError) as err:
         raise pytest.UsageError(str(err)) from None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    conformance = session.config.stash[SESSION]
+    conformance.install_signal_handlers()
+    if conformance.runner.adapters:
+        return
+    try:
+        conformance.build_implementation()
+    except ImplementationFault:
+        conformance.write_reports()
+        pytest.exit("\n".join(fault_lines(conformance.faults.as_list())), returncode=EXIT_IMPLEMENTATION)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    session.config.stash[SESSION].planned = sum(
+        isinstance(getattr(item, "callspec", None) and item.callspec.params.get("spec"), CheckSpec)
+        for item in session.items
+    )
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -65,11 +109,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture(scope="session")
 def conformance(request: pytest.FixtureRequest) -> ConformanceSession:
     return request.config.stash[SESSION]
-
-
-def _one_line(text: str, limit: int = 400) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 @pytest.hookimpl(wrapper=True)
@@ -84,24 +123,30 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Gener
         status, message = "passed", session.comparisons[spec.id].summary()
     elif report.skipped:
         status, message = "skipped", str(call.excinfo.value) if call.excinfo else str(report.longrepr)
+    elif call.excinfo is not None and not call.excinfo.errisinstance(pytest.fail.Exception):
+        status, message = "error", session.checker_error(call.excinfo)
     else:
         status = "failed" if report.when == "call" else "error"
         message = (call.excinfo.exconly() if call.excinfo else report.longreprtext).removeprefix("Failed: ")
-    session.record(spec, status, _one_line(message), report.duration)
+    session.record(spec, status, one_line(message, 400), report.duration)
     return report
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    if SESSION in session.config.stash:
-        session.config.stash[SESSION].write_reports()
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if SESSION not in session.config.stash:
+        return
+    conformance = session.config.stash[SESSION]
+    conformance.restore_signal_handlers()
+    conformance.finish(exitstatus == pytest.ExitCode.INTERRUPTED, bool(session.shouldfail))
+    session.config.stash[FINAL_REPORT] = conformance.write_reports()
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    if SESSION not in config.stash:
+    if FINAL_REPORT not in config.stash:
         return
     conformance = config.stash[SESSION]
     terminalreporter.section("KDA conformance")
-    for line in terminal_lines(conformance.report()):
+    for line in terminal_lines(config.stash[FINAL_REPORT]):
         terminalreporter.write_line(line)
     if conformance.options.report_dir:
         terminalreporter.write_line(f"reports written to {conformance.options.report_dir}/")

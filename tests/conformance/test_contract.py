@@ -16,7 +16,7 @@ from conformance.diff import run_stages, table_lines
 from conformance.gate import breaches
 from conformance.metrics import Comparison, attribute, compare, contract_check, error_vs_contract, judge
 from conformance.reader import DumpSet
-from conformance.report import REPORT_FORMAT, REPORT_VERSION, Record
+from conformance.report import Record
 from conformance.tolerances import (
     CONTRACT_MODE,
     DEFAULT_POLICY_FILE,
@@ -28,6 +28,7 @@ from conformance.tolerances import (
 from conformance.truth import FP32_STAGES, computed_contract_model
 from tests.conformance import broken_adapters
 from tests.conformance.policy_files import edited_policy
+from tests.conformance.report_files import report_of
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 BF16, RFC = Tolerance(atol=1e-2, rtol=1e-2), Tolerance(atol=1e-3, rtol=1e-3)
@@ -138,15 +139,6 @@ def test_golden_catches_beta_rounded_to_bf16_although_its_reference_rounds_it_to
 # ------------------------------------------------------------------------------------------ gate
 
 
-def _report(check: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "format": REPORT_FORMAT,
-        "version": REPORT_VERSION,
-        "dumps": {"manifest_sha256": "a" * 64},
-        "checks": [check],
-    }
-
-
 def _passed_record() -> dict[str, Any]:
     comparison = _contract_judged(MODEL * (1 + 5e-5))
     assert comparison.passed
@@ -170,16 +162,16 @@ def _passed_record() -> dict[str, Any]:
 )
 def test_the_gate_recomputes_the_contract_from_the_recorded_numbers(tamper, reason: str) -> None:
     check = _passed_record()
-    assert breaches(_report(check)) == []
+    assert breaches(report_of([check])) == []
     tamper(check["metrics"]["contract"])
-    found = breaches(_report(check))
+    found = breaches(report_of([check]))
     assert len(found) == 1 and reason in found[0], found
 
 
 def test_the_gate_does_not_gate_a_contract_recorded_over_too_few_tokens() -> None:
     check = _passed_record()
     check["metrics"]["contract"].update(tokens=8, impl={"nrmse": 1.0, "gain": 1.0})
-    assert breaches(_report(check)) == []
+    assert breaches(report_of([check])) == []
 
 
 # ---------------------------------------------------------------------------------------- policy

@@ -14,10 +14,10 @@ import pytest
 from conformance.checks import CheckSpec
 from conformance.cli import main
 from conformance.metrics import compare
-from conformance.report import REPORT_FORMAT, REPORT_VERSION, Record, write_json
+from conformance.report import Record, write_json
 from conformance.tolerances import DEFAULT_POLICY_FILE, Tolerance, TolerancePolicy
+from tests.conformance.report_files import report_of as _report
 
-DIGEST = "a" * 64
 CASES = ("T1", "T8", "T65")
 STRICT, RFC = Tolerance(atol=1e-5, rtol=1e-5), Tolerance(atol=1e-3, rtol=1e-3)
 
@@ -28,11 +28,6 @@ def _check(case: str, check: str = "layer", error: float = 1e-6) -> dict[str, An
     comparison = compare(reference + error, reference, STRICT, RFC, ("token", "channel"))
     status = "passed" if comparison.passed else "failed"
     return Record(CheckSpec(case, "fp32", check), status, comparison.summary(), 0.1, comparison).as_dict(0.5)
-
-
-def _report(checks: list[dict[str, Any]], digest: str | None = DIGEST) -> dict[str, Any]:
-    dumps = {"url": "golden"} | ({"manifest_sha256": digest} if digest else {})
-    return {"format": REPORT_FORMAT, "version": REPORT_VERSION, "dumps": dumps, "checks": checks}
 
 
 def _write(path: Path, report: dict[str, Any]) -> str:
@@ -61,6 +56,32 @@ def test_an_honest_report_passes_alone_and_against_itself(tmp_path: Path, capsys
     assert _gate(capsys, report)[0] == 0
     code, out, _ = _gate(capsys, report, "--baseline", report)
     assert code == 0 and out.startswith("gate: ok (6 passed, 0 failed, 0 error, 0 skipped) against baseline")
+
+
+@pytest.mark.parametrize(
+    ("completion", "said"),
+    [
+        (
+            {"complete": False, "planned": 6, "ran": 6, "stopped": "interrupted by SIGINT"},
+            "interrupted by SIGINT",
+        ),
+        ({"complete": True, "planned": 7, "ran": 6, "stopped": None}, "6 of 7 planned checks ran"),
+        (
+            {"complete": True, "planned": 6, "ran": 6, "stopped": "stopped at the first failing check (-x)"},
+            "(-x)",
+        ),
+    ],
+    ids=["interrupted", "fewer checks than planned", "stopped by -x"],
+)
+def test_an_incomplete_report_is_refused_with_or_without_a_baseline(
+    tmp_path: Path, capsys, completion: dict[str, Any], said: str
+) -> None:
+    """Its own word that it is complete does not count: the checks are counted against the plan."""
+    baseline = _write(tmp_path / "old.json", _report(_full()))
+    report = _write(tmp_path / "new.json", _report(_full()) | {"completion": completion})
+    for extra in ([], ["--baseline", baseline]):
+        code, _, err = _gate(capsys, report, *extra)
+        assert code == 2 and "the run is incomplete" in _one_error_line(err) and said in err
 
 
 def test_a_check_missing_from_the_new_report_is_a_breach(tmp_path: Path, capsys) -> None:

@@ -47,7 +47,8 @@ class LateDrift(NumpyAdapter):
     def layer_extend(self, hidden_states, cu_seqlens, initial_state=None, carry=None):
         result = super().layer_extend(hidden_states, cu_seqlens, initial_state, carry)
         tokens = np.arange(result.out.shape[0])
-        result.out = result.out * (1 + 1e-4 * np.maximum(tokens - DRIFT_FROM + 1, 0))[:, None]
+        drift = (1 + 1e-4 * np.maximum(tokens - DRIFT_FROM + 1, 0)).astype(np.float32)
+        result.out = result.out * drift[:, None]
         return result
 
     def layer_decode(self, hidden_states, carry):
@@ -109,7 +110,10 @@ def test_late_drift_fails_only_the_windows_it_reaches(long_dumps: Path, case_id:
     assert "1 of 4 windows of 256 tokens over the relative gate (tokens 768-1024)" in comparison.failures[0]
     assert comparison.attribution.verdict == "impl"
     late, early = profile.windows[-1], profile.windows[0]
-    assert late.impl_rms > 100 * late.reference_rms and early.impl_rms == early.reference_rms
+    # Before the drift the implementation is the reference itself: the same error, to the rounding of a
+    # matmul over 768 rows instead of 1024 (numpy's OpenBLAS blocks them by CPU).
+    assert late.impl_rms > 100 * late.reference_rms
+    assert early.impl_rms == pytest.approx(early.reference_rms, rel=1e-3)
 
     faithful = CheckRunner(DumpSet(str(long_dumps)), NumpyAdapter, "auto", TolerancePolicy.load())
     assert faithful.run(spec).passed

@@ -15,10 +15,11 @@ from conformance.checks import CheckRunner, CheckSkipped, CheckSpec, plan
 from conformance.gate import ReportError, breaches, load_report
 from conformance.metrics import Comparison, attribute, compare, judge
 from conformance.reader import DumpSet
-from conformance.report import REPORT_FORMAT, REPORT_VERSION, Record, write_json
+from conformance.report import Record, write_json
 from conformance.tolerances import ModeRule, RelativeLimits, Tolerance, TolerancePolicy
 from tests.conformance import broken_adapters
 from tests.conformance.policy_files import edited_policy
+from tests.conformance.report_files import report_of
 from tests.conformance.synthetic import write_dump_set
 
 STRICT, RFC = Tolerance(atol=1e-5, rtol=1e-5), Tolerance(atol=1e-3, rtol=1e-3)
@@ -149,15 +150,6 @@ def _record(comparison: Comparison, check: str = "o_norm") -> dict[str, Any]:
     return Record(CheckSpec("T65", "fp32", check), status, comparison.summary(), 0.1, comparison).as_dict(0.5)
 
 
-def _report(checks: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "format": REPORT_FORMAT,
-        "version": REPORT_VERSION,
-        "dumps": {"manifest_sha256": "a" * 64},
-        "checks": checks,
-    }
-
-
 def _conditioning() -> Comparison:
     comparison = compare(REFERENCE + 1.2e-5, REFERENCE, STRICT, RFC, ("token", "channel"))
     attribution = attribute(REFERENCE + 1.2e-5, REFERENCE, TRUTH, "test", STRICT, LIMITS, True)
@@ -167,7 +159,7 @@ def _conditioning() -> Comparison:
 def test_the_gate_accepts_a_relative_pass_and_recomputes_its_ratio(tmp_path: Path) -> None:
     check = _record(_conditioning())
     path = tmp_path / "r.json"
-    write_json(_report([check]), path)
+    write_json(report_of([check]), path)
     report = load_report(path)
     assert breaches(report) == []
     # Against a baseline, growth is measured on the relative ratio the gate recomputes.
@@ -175,7 +167,7 @@ def test_the_gate_accepts_a_relative_pass_and_recomputes_its_ratio(tmp_path: Pat
     assert (
         grown["status"] == "passed" and grown["metrics"]["gate_ratio"] > 2.1 * check["metrics"]["gate_ratio"]
     )
-    found = breaches(_report([grown]), _report([check]))
+    found = breaches(report_of([grown]), report_of([check]))
     assert len(found) == 1 and "error grew over the baseline" in found[0]
 
 
@@ -196,7 +188,7 @@ def _conditioning_parts(error: float) -> tuple[Comparison, str, Any]:
 def test_the_gate_recomputes_the_relative_verdict_from_the_recorded_numbers(tamper, reason: str) -> None:
     check = _record(_conditioning())
     tamper(check["metrics"]["truth"])
-    found = breaches(_report([check]))
+    found = breaches(report_of([check]))
     assert (
         len(found) == 1 and "recorded as passed, but its numbers fail" in found[0] and reason in found[0]
     ), found
@@ -205,7 +197,7 @@ def test_the_gate_recomputes_the_relative_verdict_from_the_recorded_numbers(tamp
 def test_the_gate_checks_both_gates_of_absolute_and_relative() -> None:
     check = _record(_conditioning())
     check["metrics"]["mode"] = "absolute+relative"  # the absolute numbers do not hold
-    found = breaches(_report([check]))
+    found = breaches(report_of([check]))
     assert len(found) == 1 and "margin 1.18125 > 1" in found[0]
 
 
@@ -213,7 +205,7 @@ def test_the_gate_refuses_an_unknown_mode(tmp_path: Path) -> None:
     check = _record(_conditioning())
     check["metrics"]["mode"] = "lenient"
     path = tmp_path / "r.json"
-    write_json(_report([check]), path)
+    write_json(report_of([check]), path)
     with pytest.raises(
         ReportError,
         match=r"'mode' must be one of \['absolute', 'relative', 'absolute\+relative', "
@@ -226,9 +218,9 @@ def test_a_report_made_before_the_relative_gate_is_gated_absolutely() -> None:
     check = _record(compare(REFERENCE + 1e-6, REFERENCE, STRICT, RFC, ("token", "channel")))
     for key in ("mode", "judged_by", "truth", "absolute_ratio", "absolute_failures"):
         del check["metrics"][key]
-    assert breaches(_report([check])) == []
+    assert breaches(report_of([check])) == []
     check["metrics"]["margin"] = 3.0
-    assert "margin 3 > 1" in breaches(_report([check]))[0]
+    assert "margin 3 > 1" in breaches(report_of([check]))[0]
 
 
 # ------------------------------------------------------------------------------- broken adapters
