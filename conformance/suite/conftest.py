@@ -14,7 +14,6 @@ from conformance.guard import (
     DEFAULT_CALL_TIMEOUT_S,
     EXIT_IMPLEMENTATION,
     ImplementationFault,
-    fault_lines,
     one_line,
 )
 from conformance.reader import DumpError
@@ -88,9 +87,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         return
     try:
         conformance.build_implementation()
-    except ImplementationFault:
+    except ImplementationFault as fault:
         conformance.write_reports()
-        pytest.exit("\n".join(fault_lines(conformance.faults.as_list())), returncode=EXIT_IMPLEMENTATION)
+        pytest.exit(fault.message, returncode=EXIT_IMPLEMENTATION)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
