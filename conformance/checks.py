@@ -303,6 +303,17 @@ class CheckRunner:
         """The check's two sides against the bf16 precision contract's float64 model of its result (and
         the model against the check's `truth`, whose `attribution` holds the implementation's error);
         `NoTruth` when there is none (a kernel check, a result the model lacks)."""
+        model, tokens = self.contract_model(case, spec, positions)
+        limits, fp32_stage = self.policy.contract, truth_name(spec.check) in FP32_STAGES
+        impl_error = attribution.impl.nrmse
+        return contract_check(
+            actual, expected, model, truth, impl_error, CONTRACT_SOURCE, limits, fp32_stage, tokens
+        )
+
+    def contract_model(self, case: CaseData, spec: CheckSpec, positions: dict) -> tuple[np.ndarray, int]:
+        """The bf16 precision contract's float64 model of the check's result (its rows at `positions`),
+        and how many tokens it comes from; `NoTruth` when there is none (a kernel check, a result the
+        model of a long case lacks)."""
         if spec.check in KERNEL_CHECKS:
             raise NoTruth("the precision contract has no rounding point inside the kernels")
         name = truth_name(spec.check)
@@ -312,16 +323,9 @@ class CheckRunner:
         )
         if name not in models:
             raise NoTruth(f"the precision contract's model of a case this long has no {name!r}")
-        model = models[name]
-        tokens = case.info.total_tokens  # a state's: every token of the case went into it
         if "token" in positions:
-            model = model[positions["token"]]
-            tokens = len(positions["token"])
-        limits, fp32_stage = self.policy.contract, name in FP32_STAGES
-        impl_error = attribution.impl.nrmse
-        return contract_check(
-            actual, expected, model, truth, impl_error, CONTRACT_SOURCE, limits, fp32_stage, tokens
-        )
+            return models[name][positions["token"]], len(positions["token"])
+        return models[name], case.info.total_tokens  # a state's: every token of the case went into it
 
     def by_position(self, case: CaseData, spec: CheckSpec) -> Comparison:
         """A long case's output (its prefill, or its prefill then decode steps) against the reference and

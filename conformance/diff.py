@@ -10,6 +10,11 @@ of the tokens that come after it (a later call, or decode), which this case's ou
 Where the dump carries the float64 truth, each stage shows three ways: implementation against
 reference, implementation against the truth, reference against the truth, with the attribution; and
 the first stage where the implementation's own error leaves the reference's is named.
+
+The kernel stage on the layer's own inputs is the kernel output the layer itself computed where the
+adapter returns it (intermediate `o_kda`), else the adapter's kernel rerun on the layer's conv outputs,
+g and beta. A heatmap draws what decided the stage's verdict: its error against the reference under the
+absolute gate, against the truth under the relative gate, against the precision contract's model.
 """
 
 from __future__ import annotations
@@ -22,12 +27,18 @@ from pathlib import Path
 import numpy as np
 
 from conformance.checks import KERNEL_INPUTS, CheckRunner, CheckSkipped, CheckSpec
+from conformance.guard import LAYER_KERNEL_OUTPUT
 from conformance.metrics import Comparison
 from conformance.reader import CaseData
 from conformance.report import format_text_table
+from conformance.tolerances import CONTRACT_MODE
 from conformance.truth import layer_kernel_truth
 from kda_spec import dump_format as fmt
 
+LAYER_KERNEL_RERUN = "o_kda (the kernel on the layer's inputs)"
+LAYER_KERNEL_OWN = "o_kda (the layer's own kernel output)"
+#: A scale error is named when the best scale of the reference leaves at most this share of the error.
+SCALE_RESIDUAL_SHARE = 0.1
 # (stage, result shown, check whose computation and tolerance it uses)
 STAGES = (
     ("conv", "q_after_conv", "q_after_conv"),
@@ -39,7 +50,7 @@ STAGES = (
     ("kernel", "recurrent_state_chunk (dumped inputs)", "kernel-chunk-state"),
     ("kernel", "o_kda_fused_recurrent (dumped inputs)", "kernel-recurrent"),
     ("kernel", "recurrent_state_fused_recurrent (dumped inputs)", "kernel-recurrent-state"),
-    ("kernel", "o_kda (the layer's inputs)", None),
+    ("kernel", LAYER_KERNEL_RERUN, None),
     ("norm", "g_out", "g_out"),
     ("norm", "o_norm", "o_norm"),
     ("out", "out", "layer"),
@@ -66,6 +77,8 @@ class StageResult:
     actual: np.ndarray | None = None
     expected: np.ndarray | None = None
     axes: tuple[str, ...] = ()
+    truth: np.ndarray | None = None  # the float64 truth of the stage, where the relative gate has one
+    model: np.ndarray | None = None  # the precision contract's model, where the contract judged it
 
     @property
     def key(self) -> str:
@@ -82,7 +95,9 @@ def run_stages(runner: CheckRunner, case_id: str, dtype: str) -> list[StageResul
         try:
             truth = None
             if check is None:
-                row.actual, row.expected, row.axes, check = _kernel_on_layer_inputs(runner, case, dtype)
+                row.actual, row.expected, row.axes, check, row.result = _kernel_on_layer_inputs(
+                    runner, case, dtype
+                )
                 truth = functools.partial(_layer_kernel_truth, case, dtype)
                 positions = {}
             else:
@@ -92,27 +107,49 @@ def run_stages(runner: CheckRunner, case_id: str, dtype: str) -> list[StageResul
             row.actual = np.asarray(row.actual)
             spec = CheckSpec(case_id, dtype, check)
             row.comparison = runner.compare(case, spec, row.actual, row.expected, row.axes, positions, truth)
+            _keep_judging_arrays(row, runner, case, spec, positions, truth)
         except CheckSkipped as skip:
             row.skipped = str(skip)
         results.append(row)
     return results
 
 
+def _keep_judging_arrays(
+    row: StageResult,
+    runner: CheckRunner,
+    case: CaseData,
+    spec: CheckSpec,
+    positions: dict,
+    truth: Callable[[], tuple[np.ndarray, str]] | None,
+) -> None:
+    """The truth and the contract's model the stage was judged against, for its heatmap."""
+    comparison = row.comparison
+    if comparison.attribution is not None:
+        row.truth = truth()[0] if truth else runner.truth(case, spec, positions)[0]
+    if comparison.contract is not None:
+        row.model = runner.contract_model(case, spec, positions)[0]
+
+
 def _kernel_on_layer_inputs(
     runner: CheckRunner, case: CaseData, dtype: str
-) -> tuple[np.ndarray, np.ndarray, tuple[str, ...], str]:
-    """The kernel the reference layer used, run on this implementation's own conv outputs, g and beta."""
+) -> tuple[np.ndarray, np.ndarray, tuple[str, ...], str, str]:
+    """The kernel output inside the layer: the one the layer computed where the adapter returns it
+    (`o_kda`), else the reference layer's kernel run on this implementation's own conv outputs, g and
+    beta; with the reference, axes, the check whose tolerance applies, and which of the two it is."""
     path = case.info.layer_kernel_path
-    stages = runner.layer(case, dtype).intermediates
-    missing = [name for name in KERNEL_INPUTS if name not in stages]
-    if missing:
-        raise CheckSkipped(f"the adapter does not expose {missing}")
     reference = case.result(f"o_kda_{path}", dtype)
     if reference is None:
         raise CheckSkipped(f"the dump has no {fmt.result_key(f'o_kda_{path}', dtype)!r}")
-    o, _ = runner.run_kernel(case, dtype, path, stages)
     check = "kernel-chunk" if path == "chunk" else "kernel-recurrent"
-    return o, reference, ("token", "head", "channel"), check
+    axes = ("token", "head", "channel")
+    stages = runner.layer(case, dtype).intermediates
+    if LAYER_KERNEL_OUTPUT in stages:
+        return stages[LAYER_KERNEL_OUTPUT], reference, axes, check, LAYER_KERNEL_OWN
+    missing = [name for name in KERNEL_INPUTS if name not in stages]
+    if missing:
+        raise CheckSkipped(f"the adapter returns no 'o_kda' and does not expose {missing}")
+    o, _ = runner.run_kernel(case, dtype, path, stages)
+    return o, reference, axes, check, LAYER_KERNEL_RERUN
 
 
 def _layer_kernel_truth(case: CaseData, dtype: str) -> tuple[np.ndarray, str]:
@@ -228,6 +265,13 @@ def table_lines(results: list[StageResult]) -> list[str]:
         lines.append("every stage compared holds")
     else:
         lines.append(f"first out of tolerance: {first.stage} ({first.result}): {first.comparison.summary()}")
+        scale = scale_error(first)
+        if scale is not None:
+            factor, along = scale
+            lines.append(
+                f"  a scale error: {first.key} is {factor:.4g} × the reference "
+                f"({100 * along:.1f}% of the squared error lies along it)"
+            )
     lines.append(_leaving_line(results))
     departing = first_leaving_contract(results)
     if departing is not None:
@@ -254,11 +298,69 @@ def _leaving_line(results: list[StageResult]) -> str:
     return f"the implementation's own error first leaves the reference's at {where}: {reasons}"
 
 
+def scale_error(row: StageResult) -> tuple[float, float] | None:
+    """(s, share) when a compared stage's error is mostly a scale: the result is close to s × the
+    reference, the best such s leaving at most `SCALE_RESIDUAL_SHARE` of the error's norm, and `share` of
+    the squared error lies along the reference; None otherwise (or with a NaN/Inf in the result)."""
+    a, b = (np.asarray(x, np.float64).ravel() for x in (row.actual, row.expected))
+    error_norm2, reference_norm2 = float(np.sum((a - b) ** 2)), float(b @ b)
+    if not np.all(np.isfinite(a)) or error_norm2 == 0 or reference_norm2 == 0:
+        return None
+    factor = float(a @ b) / reference_norm2
+    left = float(np.sum((a - factor * b) ** 2)) / error_norm2
+    return (factor, 1 - left) if left <= SCALE_RESIDUAL_SHARE**2 else None
+
+
+def _ratio(actual: np.ndarray, against: np.ndarray, atol: float, rtol: float) -> np.ndarray:
+    actual = np.where(np.isfinite(actual), actual, np.inf).astype(np.float64)
+    return np.abs(actual - against) / (atol + rtol * np.abs(against))
+
+
 def error_ratio(row: StageResult) -> np.ndarray:
     """|actual - expected| / (atol + rtol·|expected|) of a compared stage, elementwise (> 1 fails)."""
     tol = row.comparison.tolerance
-    actual = np.where(np.isfinite(row.actual), row.actual, np.inf).astype(np.float64)
-    return np.abs(actual - row.expected) / (tol.atol + tol.rtol * np.abs(row.expected))
+    return _ratio(row.actual, row.expected, tol.atol, tol.rtol)
+
+
+# The gates that decide a stage, by its `judged_by`, in the order a heatmap prefers them.
+_DECIDING_GATES = {
+    "absolute": ("absolute",),
+    "relative": ("relative",),
+    "absolute+relative": ("absolute", "relative"),
+    CONTRACT_MODE: ("relative", "contract"),
+}
+
+
+def shown_gate(c: Comparison) -> str:
+    """The gate whose error a stage's heatmap shows: the first of its deciding gates that fails, else the
+    first that decides it."""
+    failing = {
+        "absolute": bool(c.absolute_failures),
+        "relative": c.attribution is not None and bool(c.attribution.relative_failures),
+        "contract": c.contract is not None and bool(c.contract.failures),
+    }
+    deciding = _DECIDING_GATES[c.judged_by]
+    return next((gate for gate in deciding if failing[gate]), deciding[0])
+
+
+def judged_ratio(row: StageResult) -> tuple[np.ndarray, str]:
+    """A compared stage's error, element by element, under the gate its heatmap shows (`shown_gate`),
+    relative to that gate's bound; and its colour-bar label.
+
+    absolute: |a - ref| / (atol + rtol·|ref|), > 1 fails; relative: |a - truth| / (atol + rtol·|truth|)
+    over the relative gate's margin bound (factor × the reference's margin + floor), > 1 fails;
+    contract: |a - model| / (max nRMSE · rms(model)), whose RMS over the result > 1 fails."""
+    c, gate = row.comparison, shown_gate(row.comparison)
+    if gate == "contract":
+        rms = float(np.sqrt(np.mean(np.square(row.model)))) or 1.0
+        ratio = _ratio(row.actual, row.model, c.contract.max_nrmse * rms, 0.0)
+        return ratio, "|err vs contract model| / (max nRMSE·rms(model))   (RMS > 1 fails)"
+    if gate == "relative":
+        limits, tol = c.attribution.limits, c.tolerance
+        bound = limits.factor * c.attribution.reference.margin + limits.margin_floor
+        ratio = _ratio(row.actual, row.truth, tol.atol, tol.rtol) / bound
+        return ratio, "|err vs truth| / (atol + rtol·|truth|) / relative bound   (> 1 fails)"
+    return error_ratio(row), _COLORBAR_LABEL
 
 
 def is_state(row: StageResult) -> bool:
@@ -267,18 +369,20 @@ def is_state(row: StageResult) -> bool:
 
 
 def heatmap_grid(row: StageResult) -> tuple[np.ndarray, tuple[str, str]]:
-    """The error of a per-token stage relative to its tolerance, reduced to 2-D: (grid [x, y], axis names)."""
-    ratio = error_ratio(row)
+    """The error of a per-token stage relative to its deciding gate's bound (`judged_ratio`), reduced to
+    2-D: (grid [x, y], axis names)."""
+    ratio, _ = judged_ratio(row)
     # Keep the first two axes (token × head, token × channel), worst over the rest.
     grid = ratio.reshape(ratio.shape[0], ratio.shape[1], -1).max(axis=2)
     return grid, (row.axes[0], row.axes[1])
 
 
 def state_panels(row: StageResult) -> np.ndarray:
-    """The error of a state stage relative to its tolerance, worst over the sequences: [head, key, value]."""
+    """The error of a state stage relative to its deciding gate's bound (`judged_ratio`), worst over the
+    sequences: [head, key, value]."""
     if not is_state(row):
         raise ValueError(f"{row.result}: not a state (axes {row.axes})")
-    return error_ratio(row).max(axis=0)
+    return judged_ratio(row)[0].max(axis=0)
 
 
 def draw_heatmap(row: StageResult, path: Path, title: str, cu_seqlens: np.ndarray) -> None:
@@ -289,11 +393,12 @@ def draw_heatmap(row: StageResult, path: Path, title: str, cu_seqlens: np.ndarra
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    label = judged_ratio(row)[1]
     if is_state(row):
         panels = state_panels(row)
-        figure = _draw_state(plt, panels, f"{title} (worst of {row.actual.shape[0]} sequences)")
+        figure = _draw_state(plt, panels, f"{title} (worst of {row.actual.shape[0]} sequences)", label)
     else:
-        figure = _draw_token_grid(plt, row, title, cu_seqlens)
+        figure = _draw_token_grid(plt, row, title, cu_seqlens, label)
     try:
         figure.savefig(path, dpi=120)
     finally:
@@ -310,7 +415,7 @@ def _color_range(values: np.ndarray) -> tuple[np.ndarray, float]:
 _COLORBAR_LABEL = "|err| / (atol + rtol·|ref|)   (> 1 fails)"
 
 
-def _draw_token_grid(plt, row: StageResult, title: str, cu_seqlens: np.ndarray):
+def _draw_token_grid(plt, row: StageResult, title: str, cu_seqlens: np.ndarray, label: str):
     from matplotlib.colors import LogNorm
     from matplotlib.ticker import MaxNLocator
 
@@ -328,7 +433,7 @@ def _draw_token_grid(plt, row: StageResult, title: str, cu_seqlens: np.ndarray):
     if x_axis == "token":
         for boundary in cu_seqlens[1:-1]:
             axes.axvline(boundary - 0.5, color="cyan", linewidth=0.8)
-    figure.colorbar(image, ax=axes, label=_COLORBAR_LABEL)
+    figure.colorbar(image, ax=axes, label=label)
     axes.set_xlabel(x_axis)
     axes.set_ylabel(y_axis)
     axes.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -337,7 +442,7 @@ def _draw_token_grid(plt, row: StageResult, title: str, cu_seqlens: np.ndarray):
     return figure
 
 
-def _draw_state(plt, panels: np.ndarray, title: str):
+def _draw_state(plt, panels: np.ndarray, title: str, label: str):
     """One key × value panel per head, in rows of up to 8, on one shared log colour scale."""
     from matplotlib.colors import LogNorm
 
@@ -359,6 +464,6 @@ def _draw_state(plt, panels: np.ndarray, title: str):
         axes.set_xlabel("value", fontsize=7)
         axes.set_ylabel("key", fontsize=7)
         axes.tick_params(labelsize=6)
-    figure.colorbar(image, ax=grid, label=_COLORBAR_LABEL)
+    figure.colorbar(image, ax=grid, label=label)
     figure.suptitle(title)
     return figure

@@ -32,8 +32,10 @@ from kda_spec import dump_format as fmt
 
 #: What the suite accepts as a float result: float32, or a dtype that float32 holds exactly.
 EXACT_IN_FLOAT32 = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
-#: The intermediates an adapter may return, by dump name.
-INTERMEDIATE_NAMES = (*fmt.INTERMEDIATE_KEYS, *fmt.OPTIONAL_KEYS)
+#: The intermediates an adapter may return, by dump name; and `o_kda` [T, H, D], the kernel output the
+#: layer itself computed (`conformance diff` shows it as the kernel stage inside the layer).
+LAYER_KERNEL_OUTPUT = "o_kda"
+INTERMEDIATE_NAMES = (*fmt.INTERMEDIATE_KEYS, *fmt.OPTIONAL_KEYS, LAYER_KERNEL_OUTPUT)
 FAULT_KINDS = ("raised", "timeout", "contract")
 #: The exit code of a run in which the implementation under test raised, timed out or broke the contract.
 EXIT_IMPLEMENTATION = 3
@@ -198,7 +200,8 @@ class CallShapes:
     config: dict[str, Any]  # the dump manifest's config block
 
     def of(self, name: str) -> tuple[int, ...]:
-        return fmt.expected_shape(name, tokens=self.tokens, num_seqs=self.num_seqs, config=self.config)
+        rule = "o_kda_chunk" if name == LAYER_KERNEL_OUTPUT else name  # the same [T, H, D]
+        return fmt.expected_shape(rule, tokens=self.tokens, num_seqs=self.num_seqs, config=self.config)
 
 
 def checked_array(value: Any, call: str, what: str, shape: tuple[int, ...]) -> np.ndarray:

@@ -248,6 +248,7 @@ class KimiDeltaAttention(nnx.Module):
             "v_after_conv": v,
             "g": g,
             "beta": beta,
+            "o_kda": o,  # the kernel's output, rounded to the run dtype
             "g_out": g_out,
             "o_norm": o_norm,
         }
