@@ -33,9 +33,9 @@ from conformance.metrics import (
     Comparison,
     ContractCheck,
     attribute,
-    compare,
     contract_check,
     judge,
+    measure,
 )
 from conformance.positions import (
     DECODE_POSITIONS,
@@ -269,26 +269,25 @@ class CheckRunner:
         truth where there is one, decided by the check's gate mode. `truth` gives (truth, source) in
         place of the check's own (or raises `NoTruth`)."""
         tolerance = self.policy.tolerance(spec.check, spec.dtype)
-        comparison = compare(
+        measured = measure(
             actual, expected, tolerance, self.policy.rfc[spec.dtype], axes, positions, case.info.seq_lens
         )
         mode = self.policy.mode(spec.check, spec.dtype)
-        if not comparison.usable:
-            return judge(comparison, mode, None, "nothing compared")
+        if not measured.usable:
+            return judge(measured, mode, None, "nothing compared")
         try:
             truth_value, source = truth() if truth else self.truth(case, spec, positions)
         except NoTruth as missing:
-            return judge(comparison, mode, None, str(missing))
+            return judge(measured, mode, None, str(missing))
         limits = self.policy.relative[spec.dtype]
-        apart = bool(comparison.absolute_failures)
-        attribution = attribute(actual, expected, truth_value, source, tolerance, limits, apart)
+        attribution = attribute(actual, expected, truth_value, source, tolerance, limits, measured.apart)
         if mode != CONTRACT_MODE:
-            return judge(comparison, mode, attribution)
+            return judge(measured, mode, attribution)
         try:
             contract = self.contract(case, spec, actual, expected, truth_value, attribution, positions)
         except NoTruth as missing:
-            return judge(comparison, mode, attribution, no_contract=str(missing))
-        return judge(comparison, mode, attribution, contract=contract)
+            return judge(measured, mode, attribution, no_contract=str(missing))
+        return judge(measured, mode, attribution, contract=contract)
 
     def contract(
         self,
@@ -325,7 +324,7 @@ class CheckRunner:
             raise NoTruth(f"the precision contract's model of a case this long has no {name!r}")
         if "token" in positions:
             return models[name][positions["token"]], len(positions["token"])
-        return models[name], case.info.total_tokens  # a state's: every token of the case went into it
+        return models[name], case.info.total_tokens  # the states: every token of the case went into them
 
     def by_position(self, case: CaseData, spec: CheckSpec) -> Comparison:
         """A long case's output (its prefill, or its prefill then decode steps) against the reference and
@@ -341,11 +340,11 @@ class CheckRunner:
         except NoTruth as missing:
             raise CheckSkipped(f"{missing}: the error by position is measured against it") from None
         tolerance = self.policy.tolerance(spec.check, dtype)
-        comparison = compare(
+        measured = measure(
             actual, expected, tolerance, self.policy.rfc[dtype], _OUT_AXES, {}, case.info.seq_lens
         )
-        if not comparison.usable:
-            return judge(comparison, self.policy.mode(spec.check, dtype), None, "nothing compared")
+        if not measured.usable:
+            return judge(measured, self.policy.mode(spec.check, dtype), None, "nothing compared")
         profile = position_profile(
             actual,
             expected,
@@ -358,7 +357,7 @@ class CheckRunner:
             decode_from=case.info.total_tokens - decode_steps if spec.check == DECODE_POSITIONS else None,
         )
         self.position_profiles[spec.id] = profile
-        return judge_by_windows(comparison, profile, f"dump: {fmt.truth_key('out', dtype)}")
+        return judge_by_windows(measured, profile, f"dump: {fmt.truth_key('out', dtype)}")
 
     def truth(self, case: CaseData, spec: CheckSpec, positions: dict) -> tuple[np.ndarray, str]:
         """The check's float64 truth and where it comes from; `NoTruth` when there is none."""

@@ -1,22 +1,19 @@
 """The CI gate: does a report hold, and did any error grow too much over a baseline report?
 
-Nothing in a report is taken on trust: each check's verdict is recomputed from the numbers and the
-limits it records (the absolute gate's, and where its mode and a truth call for it, the relative
-gate's: both sides' errors against the float64 truth, the factor and the floors; and where its mode
-and a model call for it, the bf16 precision contract's: the nRMSE and gain and their limits), a check the
-baseline has and the report lacks is a breach, and two reports are only compared when they were
-made on the same dump set (the sha256 of its manifest).
+Nothing in a report is taken on trust: each passed check's verdict is decided again by the suite's own
+engine (`conformance.verdict.decide`) from the criteria it records — each statistic with the numbers
+of its bound — and its gate mode; a check the baseline has and the report lacks is a breach, and two
+reports are only compared when they were made on the same dump set (the sha256 of its manifest).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from conformance.report import REPORT_FORMAT, REPORT_VERSION, STATUSES
-from conformance.tolerances import ABSOLUTE_MODES, CONTRACT_FIELDS, CONTRACT_MODE, GATE_MODES, RELATIVE_FIELDS
+from conformance.verdict import MODE_GATES, Criterion, Verdict, decide
 
 _CHECK_TEXT_FIELDS = ("id", "status", "message")
 
@@ -87,198 +84,56 @@ def _check_structure(check: Any, label: str) -> None:
     if check["status"] == "passed":
         if metrics is None:
             raise ReportError(f"{label} ({check['id']}): a passed check must record its 'metrics'")
-        _passed_metrics(metrics, f"{label} ({check['id']})")
+        _recorded_verdict(metrics, f"{label} ({check['id']})")
 
 
-def _number(container: dict[str, Any], key: str, label: str) -> float:
-    """A recorded number; report.json stores NaN and Inf as the strings 'nan', 'inf', '-inf'."""
-    value = container.get(key)
-    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
-        return float(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ReportError(f"{label}: {key!r} must be a number, found {value!r}")
-    return float(value)
-
-
-def _passed_metrics(metrics: dict[str, Any], label: str) -> dict[str, Any]:
-    """The numbers a passed check's verdict rests on, read and type-checked."""
-    tolerance = metrics.get("tolerance")
-    if not isinstance(tolerance, dict):
-        raise ReportError(f"{label}: metrics 'tolerance' must be an object, found {tolerance!r}")
-    gated = metrics.get("nrmse_gated")
-    if not isinstance(gated, bool):
-        raise ReportError(f"{label}: metrics 'nrmse_gated' must be true or false, found {gated!r}")
-    failures = metrics.get("failures", [])
-    if not isinstance(failures, list):
-        raise ReportError(f"{label}: metrics 'failures' must be a list, found {failures!r}")
-    # The nRMSE the limit applies to: `gated_nrmse` (a state's long-enough sequences), else the whole.
-    nrmse_key = "gated_nrmse" if metrics.get("gated_nrmse") is not None else "nrmse"
-    numbers = {key: _number(metrics, key, label) for key in ("margin", "nonfinite", "n_outside")}
-    numbers["nrmse"] = _number(metrics, nrmse_key, label)
-    numbers |= {key: _number(tolerance, key, f"{label}: tolerance") for key in ("atol", "rtol")}
-    numbers["max_nrmse"] = _number(tolerance, "max_nrmse", f"{label}: tolerance") if gated else None
-    mode = metrics.get("mode", "absolute")  # reports made before the relative gate: absolute
-    if mode not in GATE_MODES:
-        raise ReportError(f"{label}: metrics 'mode' must be one of {list(GATE_MODES)}, found {mode!r}")
-    truth = metrics.get("truth", {"available": False})
-    if not isinstance(truth, dict) or not isinstance(truth.get("available"), bool):
-        raise ReportError(f"{label}: metrics 'truth' must be an object with 'available' true or false")
-    relative = _relative_numbers(truth, f"{label}: truth") if truth["available"] else None
-    contract = None
-    if mode == CONTRACT_MODE:
-        recorded = metrics.get("contract", {"available": False})
+def _recorded_verdict(metrics: dict[str, Any], label: str) -> Verdict:
+    """A passed check's verdict, decided again (`conformance.verdict.decide`) from the criteria and the
+    gate mode it records; a ReportError names what is malformed, missing or impossible."""
+    mode = metrics.get("mode")
+    if mode not in MODE_GATES:
+        raise ReportError(f"{label}: metrics 'mode' must be one of {list(MODE_GATES)}, found {mode!r}")
+    records = metrics.get("criteria")
+    if not isinstance(records, list):
+        raise ReportError(f"{label}: metrics 'criteria' must be a list, found {records!r}")
+    try:
+        criteria = [
+            Criterion.from_dict(record, f"{label}: criteria[{i}]") for i, record in enumerate(records)
+        ]
+    except ValueError as err:
+        raise ReportError(str(err)) from None
+    gates = {criterion.gate for criterion in criteria}
+    # Each gate a passed check's record says it measured is among its criteria: a criterion left out
+    # of the list cannot turn a failing check into a passing one.
+    required = {"finite": True, "absolute": True}
+    for gate, block in (("relative", "truth"), ("contract", "contract")):
+        recorded = metrics.get(block, {"available": False})
         if not isinstance(recorded, dict) or not isinstance(recorded.get("available"), bool):
-            raise ReportError(f"{label}: metrics 'contract' must be an object with 'available' true or false")
-        contract = _contract_numbers(recorded, f"{label}: contract") if recorded["available"] else None
-        if contract is not None and relative is not None:
-            contract["impl_truth_nrmse"] = relative["impl_nrmse"]
-    # The gates that decide, recomputed: the relative one needs a truth, the contract its model
-    # (docs/tolerance-policy.md).
-    if relative is None:
-        judged_by = "absolute"
-    elif mode == CONTRACT_MODE and contract is None:
-        judged_by = "relative"
-    else:
-        judged_by = mode
-    return {
-        **numbers,
-        "nrmse_gated": gated,
-        "failures": failures,
-        "judged_by": judged_by,
-        "relative": relative,
-        "contract": contract,
-    }
-
-
-def _contract_numbers(contract: dict[str, Any], label: str) -> dict[str, float]:
-    """The implementation's nRMSE and gain against the contract's model and the limits, as recorded."""
-    impl, limits = contract.get("impl"), contract.get("limits")
-    if not isinstance(impl, dict):
-        raise ReportError(f"{label}: 'impl' must be an object, found {impl!r}")
-    if not isinstance(limits, dict):
-        raise ReportError(f"{label}: 'limits' must be an object, found {limits!r}")
-    fp32_stage = contract.get("fp32_stage")
-    if not isinstance(fp32_stage, bool):
-        raise ReportError(f"{label}: 'fp32_stage' must be true or false, found {fp32_stage!r}")
-    numbers = {f"impl_{key}": _number(impl, key, f"{label}: impl") for key in ("nrmse", "gain")}
-    numbers |= {key: _number(limits, key, f"{label}: limits") for key in CONTRACT_FIELDS}
-    numbers["tokens"] = _number(contract, "tokens", label)
-    truth_nrmse = contract.get("truth_nrmse")
-    if not isinstance(truth_nrmse, dict):
-        raise ReportError(f"{label}: 'truth_nrmse' must be an object, found {truth_nrmse!r}")
-    numbers["model_truth_nrmse"] = _number(truth_nrmse, "model", f"{label}: truth_nrmse")
-    return numbers | {"fp32_stage": fp32_stage}
-
-
-def _contract_verdict(c: dict[str, Any]) -> tuple[list[str], float]:
-    """The precision contract recomputed from the recorded numbers and limits: reasons, ratio."""
-    if (
-        not all(0 < c[key] < math.inf for key in CONTRACT_FIELDS)
-        or not c["tokens"] >= 0
-        or c["closer_factor"] < 1
-    ):
-        recorded = [c[key] for key in CONTRACT_FIELDS]
-        reason = f"recorded contract limits {recorded} are not finite numbers > 0 (closer_factor >= 1)"
-        return [reason], math.nan
-    if c["tokens"] < c["min_tokens"]:  # gated over enough tokens only
-        return [], 0.0
-    # Closer to the truth than the model (the implementation's nRMSE against the truth from the
-    # relative gate's record of the same check): it rounds less than the contract, not worse.
-    if c["impl_truth_nrmse"] * c["closer_factor"] <= c["model_truth_nrmse"]:
-        return [], 0.0
-    max_nrmse = c["max_nrmse_fp32_stage"] if c["fp32_stage"] else c["max_nrmse"]
-    reasons = []
-    if not c["impl_nrmse"] <= max_nrmse:
-        reasons.append(f"nRMSE vs the contract's model {c['impl_nrmse']:g} > {max_nrmse:g}")
-    if not abs(c["impl_gain"]) <= c["max_gain"]:
-        reasons.append(f"|gain| vs the contract's model {abs(c['impl_gain']):g} > {c['max_gain']:g}")
-    return reasons, max(c["impl_nrmse"] / max_nrmse, abs(c["impl_gain"]) / c["max_gain"])
-
-
-def _relative_numbers(truth: dict[str, Any], label: str) -> dict[str, float]:
-    """Both sides' errors against the truth and the relative gate's limits, as recorded."""
-    sides = {}
-    for side in ("impl", "reference"):
-        if not isinstance(truth.get(side), dict):
-            raise ReportError(f"{label}: {side!r} must be an object, found {truth.get(side)!r}")
-        sides |= {
-            f"{side}_{key}": _number(truth[side], key, f"{label}: {side}") for key in ("margin", "nrmse")
-        }
-    limits = truth.get("limits")
-    if not isinstance(limits, dict):
-        raise ReportError(f"{label}: 'limits' must be an object, found {limits!r}")
-    return sides | {key: _number(limits, key, f"{label}: limits") for key in RELATIVE_FIELDS}
-
-
-def _relative_verdict(r: dict[str, float]) -> tuple[list[str], float]:
-    """The relative gate recomputed: why the implementation is further from the truth than the
-    recorded factor and floors allow against the reference, and its ratio to that bound."""
-    limits_sound = (
-        1 <= r["factor"] < math.inf and 0 < r["margin_floor"] < math.inf and 0 < r["nrmse_floor"] < math.inf
-    )
-    if not limits_sound:
-        return [
-            f"recorded relative limits {r['factor']:g}, {r['margin_floor']:g}, {r['nrmse_floor']:g} are "
-            "not a factor >= 1 and floors > 0"
-        ], math.nan
-    margin_bound = r["factor"] * r["reference_margin"] + r["margin_floor"]
-    nrmse_bound = r["factor"] * r["reference_nrmse"] + r["nrmse_floor"]
-    reasons = []
-    if not r["impl_margin"] <= margin_bound:
-        reasons.append(f"margin vs truth {r['impl_margin']:g} > {margin_bound:g} (relative to the reference)")
-    if not r["impl_nrmse"] <= nrmse_bound:
-        reasons.append(f"nRMSE vs truth {r['impl_nrmse']:g} > {nrmse_bound:g} (relative to the reference)")
-    return reasons, max(r["impl_margin"] / margin_bound, r["impl_nrmse"] / nrmse_bound)
+            raise ReportError(f"{label}: metrics {block!r} must be an object with 'available' true or false")
+        required[gate] = recorded["available"]
+    missing = sorted(gate for gate, needed in required.items() if needed and gate not in gates)
+    if missing:
+        raise ReportError(f"{label}: metrics 'criteria' has none of the {missing} gate(s) it measured")
+    for criterion in criteria:
+        if criterion.gate != "finite" and not criterion.bound > 0:
+            raise ReportError(
+                f"{label}: criterion {criterion.statistic!r} has the bound {criterion.bound}: not > 0"
+            )
+    return decide(mode, criteria)
 
 
 def _recomputed(check: dict[str, Any]) -> tuple[list[str], float | None]:
-    """Why a check's recorded numbers do not hold under its recorded limits, and its ratio to the
-    limit (the largest criterion of the deciding gate as a share of its limit), recomputed; ([], None)
-    without numbers. The deciding gate is the absolute one, the relative one, or both (`mode`)."""
+    """Why a passed check's recorded criteria do not hold, and its ratio to the limit (the largest
+    deciding criterion as a share of its bound), recomputed; ([], None) for a check that did not pass."""
     if check["status"] != "passed":
         return [], None
-    n = _passed_metrics(check["metrics"], check["id"])
-    reasons = []
-    if n["nonfinite"] != 0:
-        reasons.append(f"{n['nonfinite']:g} NaN/Inf value(s)")
-    ratios = []
-    if n["judged_by"] in ABSOLUTE_MODES:
-        absolute_reasons, absolute_ratio = _absolute_verdict(n)
-        reasons += absolute_reasons
-        ratios.append(absolute_ratio)
-    if n["judged_by"] != "absolute":
-        relative_reasons, relative_ratio = _relative_verdict(n["relative"])
-        reasons += relative_reasons
-        ratios.append(relative_ratio)
-    if n["judged_by"] == CONTRACT_MODE:
-        contract_reasons, contract_ratio = _contract_verdict(n["contract"])
-        reasons += contract_reasons
-        ratios.append(contract_ratio)
-    if n["failures"]:
-        reasons.append(f"recorded failures {n['failures']}")
-    return reasons, (max(ratios) if not reasons else None)
-
-
-def _absolute_verdict(n: dict[str, Any]) -> tuple[list[str], float]:
-    """The absolute gate recomputed from the recorded numbers and limits: reasons, ratio to the limit."""
-    reasons = [
-        f"recorded {key} {n[key]:g} is not a finite limit >= 0"
-        for key in ("atol", "rtol")
-        if not 0 <= n[key] < math.inf
-    ]
-    if not n["margin"] <= 1:
-        reasons.append(f"margin {n['margin']:g} > 1")
-    if n["n_outside"] != 0:
-        reasons.append(f"{n['n_outside']:g} element(s) outside the tolerance")
-    ratio = n["margin"]
-    if n["nrmse_gated"]:
-        if not 0 < n["max_nrmse"] < math.inf:
-            reasons.append(f"recorded max_nrmse {n['max_nrmse']:g} is not a finite limit > 0")
-        elif not n["nrmse"] <= n["max_nrmse"]:
-            reasons.append(f"nRMSE {n['nrmse']:g} > {n['max_nrmse']:g}")
-        else:
-            ratio = max(ratio, n["nrmse"] / n["max_nrmse"])
-    return reasons, ratio
+    metrics = check["metrics"]
+    verdict = _recorded_verdict(metrics, check["id"])
+    reasons = [criterion.statement() for criterion in verdict.deciding if not criterion.holds]
+    recorded = metrics.get("failures", [])
+    if recorded:
+        reasons.append(f"recorded failures {recorded}")
+    return reasons, (verdict.ratio if not reasons else None)
 
 
 def status_counts(report: dict[str, Any]) -> dict[str, int]:

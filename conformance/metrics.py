@@ -7,12 +7,14 @@ who the difference between them comes from, and the relative gate (docs/toleranc
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from conformance.tolerances import ABSOLUTE_MODES, CONTRACT_MODE, ContractLimits, RelativeLimits, Tolerance
+from conformance.tolerances import CONTRACT_MODE, ContractLimits, RelativeLimits, Tolerance
+from conformance.verdict import Criterion, Verdict, decide
 
 # Who a check's difference comes from, judged against the float64 truth (docs/tolerance-policy.md).
 VERDICTS = ("impl", "reference", "both", "conditioning")
@@ -41,17 +43,19 @@ def error_vs_truth(x: np.ndarray, truth: np.ndarray, tolerance: Tolerance) -> Tr
     return TruthError(margin=float(ratio.max()), nrmse=_nrmse(error, t), max_abs=float(error.max()))
 
 
+def relative_criteria(side: TruthError, other: TruthError, limits: RelativeLimits) -> tuple[Criterion, ...]:
+    """The relative gate on `side`: its error against the truth within `factor` × `other`'s plus a floor,
+    in margin and in nRMSE."""
+    f = limits.factor
+    return (
+        Criterion("relative", "margin vs truth", side.margin, limits.margin_floor, f, other.margin),
+        Criterion("relative", "nRMSE vs truth", side.nrmse, limits.nrmse_floor, f, other.nrmse),
+    )
+
+
 def excess(side: TruthError, other: TruthError, limits: RelativeLimits) -> list[str]:
     """Why `side` is further from the truth than `limits` allow against `other`; empty when it is not."""
-    reasons = []
-    f = limits.factor
-    if not side.margin <= f * other.margin + limits.margin_floor:
-        reasons.append(
-            f"margin vs truth {side.margin:.3g} > {f:g}×{other.margin:.3g} + {limits.margin_floor:g}"
-        )
-    if not side.nrmse <= f * other.nrmse + limits.nrmse_floor:
-        reasons.append(f"nRMSE vs truth {side.nrmse:.3g} > {f:g}×{other.nrmse:.3g} + {limits.nrmse_floor:g}")
-    return reasons
+    return [c.text() for c in relative_criteria(side, other, limits) if not c.holds]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,21 +66,22 @@ class Attribution:
     impl: TruthError
     reference: TruthError
     limits: RelativeLimits
-    apart: bool  # the two sides are out of the check's absolute tolerance of each other
+    apart: bool  # the two sides are out of the check's element-wise tolerance of each other
+
+    @property
+    def relative_criteria(self) -> tuple[Criterion, ...]:
+        """The relative gate: the implementation no further from the truth than the reference allows."""
+        return relative_criteria(self.impl, self.reference, self.limits)
 
     @property
     def relative_failures(self) -> list[str]:
-        """The relative gate: why the implementation is further from the truth than allowed."""
-        return excess(self.impl, self.reference, self.limits)
+        """Why the implementation is further from the truth than the relative gate allows."""
+        return [c.text() for c in self.relative_criteria if not c.holds]
 
     @property
     def relative_ratio(self) -> float:
         """The implementation's error as a share of what the relative gate allows (<= 1 holds)."""
-        f = self.limits.factor
-        return max(
-            self.impl.margin / (f * self.reference.margin + self.limits.margin_floor),
-            self.impl.nrmse / (f * self.reference.nrmse + self.limits.nrmse_floor),
-        )
+        return Verdict("relative", self.relative_criteria).ratio
 
     @property
     def verdict(self) -> str:
@@ -171,9 +176,33 @@ class ContractCheck:
     model_truth_nrmse: float  # the model's own: what the contract's roundings cost
 
     @property
+    def criteria(self) -> tuple[Criterion, ...]:
+        """The contract on the implementation: its nRMSE (the limit of a bf16 or an fp32 stage) and
+        |gain| against the model, over results of `min_tokens` tokens or more, unless it is
+        `closer_factor` times closer to the truth than the model itself (it rounds less, not worse)."""
+        limits = self.limits
+        closer = Criterion(
+            "contract",
+            f"{limits.closer_factor:g}× closer to the float64 truth than the contract's model",
+            self.impl_truth_nrmse * limits.closer_factor,
+            0.0,
+            1.0,
+            self.model_truth_nrmse,
+        )
+        gating = {"tokens": self.tokens, "min_tokens": limits.min_tokens, "unless": closer}
+        gain = abs(self.impl.gain)
+        return (
+            Criterion("contract", "nRMSE vs the contract's model", self.impl.nrmse, self.max_nrmse, **gating),
+            Criterion(
+                "contract", "|gain| vs the contract's model", gain, limits.max_gain, **gating,
+                detail=f"gain vs the contract's model {self.impl.gain:+.3g}, |gain| > {limits.max_gain:g}",
+            ),
+        )  # fmt: skip
+
+    @property
     def closer(self) -> bool:
         """The implementation is `closer_factor` times closer to the truth than the model: exempt."""
-        return self.impl_truth_nrmse * self.limits.closer_factor <= self.model_truth_nrmse
+        return self.criteria[0].unless.holds
 
     @property
     def max_nrmse(self) -> float:
@@ -181,27 +210,16 @@ class ContractCheck:
 
     @property
     def gated(self) -> bool:
-        return self.limits.gates(self.tokens)
+        return self.tokens >= self.limits.min_tokens
 
     @property
     def failures(self) -> list[str]:
-        reasons = []
-        if not self.gated or self.closer:
-            return reasons
-        if not self.impl.nrmse <= self.max_nrmse:
-            reasons.append(f"nRMSE vs the contract's model {self.impl.nrmse:.3g} > {self.max_nrmse:g}")
-        if not abs(self.impl.gain) <= self.limits.max_gain:
-            reasons.append(
-                f"gain vs the contract's model {self.impl.gain:+.3g}, |gain| > {self.limits.max_gain:g}"
-            )
-        return reasons
+        return [c.text() for c in self.criteria if not c.holds]
 
     @property
     def ratio(self) -> float:
         """The larger criterion as a share of its limit (<= 1 holds); 0 where it is not gated or exempt."""
-        if not self.gated or self.closer:
-            return 0.0
-        return max(self.impl.nrmse / self.max_nrmse, abs(self.impl.gain) / self.limits.max_gain)
+        return Verdict("relative+contract", self.criteria).ratio
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -247,21 +265,17 @@ def contract_check(
     )
 
 
-@dataclasses.dataclass
-class Comparison:
-    """One result against its reference under one tolerance.
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """One result against its reference under one tolerance: the numbers, before any verdict.
 
-    margin: worst `|a - b| / (atol + rtol * |b|)` (a check holds element-wise when it is <= 1);
+    margin: worst `|a - b| / (atol + rtol * |b|)` (<= 1 is within the tolerance element-wise);
     nrmse: fla's normalised RMSE `‖a - b‖₂ / ‖b‖₂`; worst: the element that sets the margin.
-    nrmse_gated: whether the nRMSE limit applies (`Tolerance.gates_nrmse`); gated_nrmse: the nRMSE over
-    the part it applies to (a state's sequences of enough tokens; else the whole result).
-    rfc: the same element-wise numbers under the RFC's tolerance, reported beside the verdict.
-    mode: the gate mode of the check's policy; attribution: both sides against the float64 truth, or
-    None with `no_truth` saying why; contract: the implementation against the bf16 precision contract's
-    model where the mode asks for it, or None with `no_contract` saying why. `failures` are what decide
-    the check (`judged_by`: the relative gate needs a truth, so without one the absolute gate decides;
-    the contract needs its model, so without one the relative gate decides alone); `absolute_failures`
-    what the absolute limits say, whether they decide or not.
+    gated_nrmse: the nRMSE over the part of the result the nRMSE limit applies to (a state's sequences
+    of enough tokens; else the whole), and `nrmse_tokens` the tokens it comes from (a per-token result:
+    its rows; states: the longest of their sequences). rfc: the element-wise numbers under the RFC's
+    tolerance, reported beside the verdict. `unusable` says why nothing could be compared (a shape
+    mismatch, a NaN reference), None when the numbers stand.
     """
 
     shape: tuple[int, ...]
@@ -274,49 +288,103 @@ class Comparison:
     nonfinite: int
     worst: dict[str, Any]
     tolerance: Tolerance
-    nrmse_gated: bool
     rfc: dict[str, Any]
-    failures: list[str]
     gated_nrmse: float | None = None
-    absolute_failures: list[str] = dataclasses.field(default_factory=list)
+    nrmse_tokens: int = 0
+    unusable: str | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.unusable is None
+
+    @property
+    def nrmse_gated(self) -> bool:
+        """Whether the nRMSE limit applies (`Tolerance.gates_nrmse`)."""
+        return self.tolerance.gates_nrmse(self.nrmse_tokens)
+
+    @property
+    def apart(self) -> bool:
+        """The two sides are out of the check's element-wise tolerance of each other (NaN included)."""
+        return self.n_outside > 0
+
+    @property
+    def finite_criterion(self) -> Criterion:
+        """No NaN or Inf in the result, whichever gate decides."""
+        detail = f"{self.nonfinite} NaN/Inf value(s) in the result"
+        return Criterion("finite", "NaN/Inf values in the result", self.nonfinite, 0.0, detail=detail)
+
+    @property
+    def absolute_criteria(self) -> tuple[Criterion, ...]:
+        """The absolute gate: every element within the tolerance (margin <= 1) and, where the tolerance
+        has one, the nRMSE within `max_nrmse` over results of `nrmse_min_tokens` tokens or more."""
+        tol = self.tolerance
+        where = ", ".join(f"{name} {i}" for name, i in self.worst.get("index", {}).items())
+        got, expected = self.worst.get("actual", math.nan), self.worst.get("expected", math.nan)
+        outside = (
+            f"{self.n_outside} of {int(np.prod(self.shape))} elements ({percent(self.share_outside)}) "
+            f"outside {tol.atol:g} + {tol.rtol:g}*|ref|; worst at {where}: got {got:.6g}, "
+            f"expected {expected:.6g} (margin {self.margin:.3g})"
+        )
+        criteria = [Criterion("absolute", "margin", self.margin, 1.0, detail=outside)]
+        if tol.max_nrmse is not None:
+            nrmse = self.nrmse if self.gated_nrmse is None else self.gated_nrmse
+            over = "" if nrmse == self.nrmse else f" over the sequences of >= {tol.nrmse_min_tokens} tokens"
+            criteria.append(
+                Criterion(
+                    "absolute", "normalised RMSE", nrmse, tol.max_nrmse,
+                    tokens=self.nrmse_tokens, min_tokens=tol.nrmse_min_tokens,
+                    detail=f"normalised RMSE {nrmse:.3g} > {tol.max_nrmse:g}{over}",
+                )
+            )  # fmt: skip
+        return tuple(criteria)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison(Measurement):
+    """A measurement decided: its criteria, by the gate `mode` of the check's policy (`decision`).
+
+    attribution: both sides against the float64 truth, or None with `no_truth` saying why; contract: the
+    implementation against the bf16 precision contract's model where the mode asks for it, or None with
+    `no_contract` saying why. Without a truth the absolute gate decides; without a model of the contract,
+    the relative gate alone (`verdict.judged_by`).
+    """
+
     mode: str = "absolute"
     attribution: Attribution | None = None
     no_truth: str | None = "not looked up"
     contract: ContractCheck | None = None
     no_contract: str | None = "not looked up"
-    usable: bool = True  # False when nothing could be compared (shape mismatch, NaN reference)
+    decision: Verdict = dataclasses.field(default_factory=lambda: Verdict("absolute", ()))
 
     @property
     def passed(self) -> bool:
-        return not self.failures
+        return self.usable and self.decision.passed
+
+    @property
+    def failures(self) -> list[str]:
+        """What decides against the check."""
+        return [self.unusable] if not self.usable else self.decision.failures()
+
+    @property
+    def absolute_failures(self) -> list[str]:
+        """What the absolute limits say, whether they decide or not."""
+        if not self.usable:
+            return [self.unusable]
+        return self.decision.failures("finite") + self.decision.failures("absolute")
 
     @property
     def judged_by(self) -> str:
-        """The gate(s) that decide: the policy's mode, "absolute" where there is no truth, "relative"
-        where the mode asks for the contract and there is no model of it."""
-        if self.attribution is None:
-            return "absolute"
-        if self.mode == CONTRACT_MODE and self.contract is None:
-            return "relative"
-        return self.mode
+        return self.decision.judged_by
 
     @property
     def absolute_ratio(self) -> float:
         """The largest of the absolute gate's criteria as a share of its limit: <= 1 holds."""
-        if self.nrmse_gated:
-            return max(self.margin, self.gated_nrmse / self.tolerance.max_nrmse)
-        return self.margin
+        return Verdict("absolute", self.absolute_criteria).ratio if self.usable else math.nan
 
     @property
     def gate_ratio(self) -> float:
         """The largest criterion of the deciding gate(s) as a share of its limit: <= 1 holds."""
-        if self.judged_by == "absolute":
-            return self.absolute_ratio
-        if self.judged_by == "relative":
-            return self.attribution.relative_ratio
-        if self.judged_by == CONTRACT_MODE:
-            return max(self.attribution.relative_ratio, self.contract.ratio)
-        return max(self.absolute_ratio, self.attribution.relative_ratio)
+        return self.decision.ratio if self.usable else math.nan
 
     @property
     def verdict(self) -> str:
@@ -360,6 +428,7 @@ class Comparison:
             "failures": self.failures,
             "mode": self.mode,
             "judged_by": self.judged_by,
+            "criteria": [criterion.as_dict() for criterion in self.decision.criteria],
             "absolute_ratio": self.absolute_ratio,
             "absolute_failures": self.absolute_failures,
             "truth": (
@@ -387,18 +456,19 @@ def _nrmse(error: np.ndarray, reference: np.ndarray) -> float:
     return err_norm / ref_norm if ref_norm > 0 else (0.0 if err_norm == 0 else float("inf"))
 
 
-def _nrmse_rows(
+def _nrmse_tokens(
     tolerance: Tolerance, axes: tuple[str, ...], rows: int, seq_lens: Sequence[int] | None
-) -> np.ndarray:
-    """Which rows of the leading axis the nRMSE limit applies to (`Tolerance.gates_nrmse`): a per-token
-    result by its number of rows, a per-sequence one (states) by the tokens of each sequence."""
+) -> tuple[np.ndarray, int]:
+    """Which rows of the leading axis the nRMSE limit applies to (`Tolerance.gates_nrmse`), and the
+    tokens that decide whether it applies at all: a per-token result by its number of rows, a
+    per-sequence one (states) by the tokens of each sequence (the longest, for the whole)."""
     if axes[:1] == ("seq",) and seq_lens is not None:
         if len(seq_lens) != rows:
             raise ValueError(f"{len(seq_lens)} sequence lengths for a result of {rows} sequences")
-        return np.array([tolerance.gates_nrmse(int(n)) for n in seq_lens], bool)
+        return np.array([tolerance.gates_nrmse(int(n)) for n in seq_lens], bool), int(max(seq_lens))
     if axes[:1] == ("token",):
-        return np.full(rows, tolerance.gates_nrmse(rows))
-    return np.full(rows, tolerance.max_nrmse is not None)
+        return np.full(rows, tolerance.gates_nrmse(rows)), rows
+    return np.full(rows, tolerance.max_nrmse is not None), tolerance.nrmse_min_tokens
 
 
 def _elementwise(error: np.ndarray, reference: np.ndarray, tolerance: Tolerance) -> tuple[np.ndarray, int]:
@@ -406,7 +476,13 @@ def _elementwise(error: np.ndarray, reference: np.ndarray, tolerance: Tolerance)
     return ratio, int(np.count_nonzero(ratio > 1.0))
 
 
-def compare(
+def elements_outside(actual: np.ndarray, expected: np.ndarray, tolerance: Tolerance) -> int:
+    """How many elements of `actual` are out of `tolerance` of `expected` (NaN and Inf always are)."""
+    a, b = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return _elementwise(np.where(np.isfinite(a), np.abs(a - b), np.inf), b, tolerance)[1]
+
+
+def measure(
     actual: np.ndarray,
     expected: np.ndarray,
     tolerance: Tolerance,
@@ -414,8 +490,8 @@ def compare(
     axes: tuple[str, ...] = (),
     positions: dict[str, np.ndarray] | None = None,
     seq_lens: Sequence[int] | None = None,
-) -> Comparison:
-    """Compare `actual` with the reference `expected`.
+) -> Measurement:
+    """`actual` against the reference `expected`.
 
     `axes` names the dimensions for the worst element's position; `positions` maps an axis to the
     original index of each of its entries, for results that are a selection of rows; `seq_lens` the
@@ -433,7 +509,6 @@ def compare(
     if a.size == 0:
         return _unusable(b.shape, tolerance, "nothing to compare (empty result)")
     finite = np.isfinite(a)
-    nonfinite = int(a.size - np.count_nonzero(finite))
     error = np.where(finite, np.abs(a - b), np.inf)
     ratio, n_outside = _elementwise(error, b, tolerance)
     rfc_ratio, rfc_outside = _elementwise(error, b, rfc_tolerance)
@@ -442,8 +517,8 @@ def compare(
     names = axes if len(axes) == a.ndim else tuple(f"dim{i}" for i in range(a.ndim))
     positions = positions or {}
     nonzero = b != 0
-    gated_rows = _nrmse_rows(tolerance, names, a.shape[0], seq_lens)
-    comparison = Comparison(
+    gated_rows, nrmse_tokens = _nrmse_tokens(tolerance, names, a.shape[0], seq_lens)
+    return Measurement(
         shape=a.shape,
         max_abs=float(error.max()),
         max_rel=float((error[nonzero] / np.abs(b[nonzero])).max()) if nonzero.any() else 0.0,
@@ -451,7 +526,7 @@ def compare(
         share_outside=n_outside / a.size,
         margin=float(ratio.max()),
         nrmse=_nrmse(error, b),
-        nonfinite=nonfinite,
+        nonfinite=int(a.size - np.count_nonzero(finite)),
         worst={
             "index": {
                 name: int(positions[name][i]) if name in positions else int(i)
@@ -461,8 +536,8 @@ def compare(
             "expected": float(b.flat[flat_worst]),
         },
         tolerance=tolerance,
-        nrmse_gated=bool(gated_rows.any()),
         gated_nrmse=_nrmse(error[gated_rows], b[gated_rows]) if gated_rows.any() else None,
+        nrmse_tokens=nrmse_tokens,
         rfc={
             **rfc_tolerance.as_dict(),
             "n_outside": rfc_outside,
@@ -470,64 +545,60 @@ def compare(
             "margin": float(rfc_ratio.max()),
             "passed": rfc_outside == 0,
         },
-        failures=[],
     )
-    comparison.absolute_failures = comparison.failures = _failures(comparison)
-    return comparison
 
 
 def judge(
-    comparison: Comparison,
+    measured: Measurement,
     mode: str,
     attribution: Attribution | None,
     no_truth: str | None = None,
     contract: ContractCheck | None = None,
     no_contract: str | None = None,
+    relative: tuple[Criterion, ...] | None = None,
 ) -> Comparison:
-    """Decide `comparison` by the gate `mode` (`tolerances.GATE_MODES`), given its truth attribution
-    (None, with `no_truth` saying why, when there is no truth: then the absolute gate decides) and, for
-    the contract mode, its precision-contract check (None, with `no_contract` saying why, when there is
-    no model of the contract: then the relative gate decides alone)."""
-    comparison.mode, comparison.attribution, comparison.no_truth = mode, attribution, no_truth
+    """`measured` decided by the gate `mode` (`verdict.MODE_GATES`): its absolute criteria, the
+    relative gate's where there is a truth (`attribution`, or None with `no_truth` saying why; `relative`
+    in place of the attribution's own criteria) and the precision contract's where there is its model
+    (`contract`, or None with `no_contract` saying why)."""
     if contract is None and no_contract is None:
         no_contract = "not looked up" if mode == CONTRACT_MODE else f"gate mode {mode!r} has no contract"
-    comparison.contract, comparison.no_contract = contract, no_contract
-    if not comparison.usable:
-        return comparison
-    failures = []
-    if comparison.judged_by in ABSOLUTE_MODES:
-        failures += comparison.absolute_failures
-    elif comparison.nonfinite:
-        failures.append(f"{comparison.nonfinite} NaN/Inf value(s) in the result")
-    if comparison.judged_by != "absolute":
-        failures += [f"relative to the reference: {reason}" for reason in attribution.relative_failures]
-    if comparison.judged_by == CONTRACT_MODE:
-        failures += [f"precision contract: {reason}" for reason in contract.failures]
-    comparison.failures = failures
-    return comparison
-
-
-def _failures(c: Comparison) -> list[str]:
-    tol = c.tolerance
-    failures = []
-    if c.nonfinite:
-        failures.append(f"{c.nonfinite} NaN/Inf value(s) in the result")
-    if c.n_outside:
-        where = ", ".join(f"{name} {i}" for name, i in c.worst["index"].items())
-        failures.append(
-            f"{c.n_outside} of {int(np.prod(c.shape))} elements ({percent(c.share_outside)}) outside "
-            f"{tol.atol:g} + {tol.rtol:g}*|ref|; worst at {where}: got {c.worst['actual']:.6g}, "
-            f"expected {c.worst['expected']:.6g} (margin {c.margin:.3g})"
-        )
-    if c.nrmse_gated and not c.gated_nrmse <= tol.max_nrmse:
-        over = "" if c.gated_nrmse == c.nrmse else f" over the sequences of >= {tol.nrmse_min_tokens} tokens"
-        failures.append(f"normalised RMSE {c.gated_nrmse:.3g} > {tol.max_nrmse:g}{over}")
-    return failures
-
-
-def _unusable(shape: tuple[int, ...], tolerance: Tolerance, reason: str) -> Comparison:
-    nan = float("nan")
+    criteria: tuple[Criterion, ...] = ()
+    if measured.usable:
+        criteria = (measured.finite_criterion, *measured.absolute_criteria)
+        if attribution is not None:
+            criteria += attribution.relative_criteria if relative is None else relative
+        if contract is not None:
+            criteria += contract.criteria
+    fields = {field.name: getattr(measured, field.name) for field in dataclasses.fields(Measurement)}
     return Comparison(
+        **fields,
+        mode=mode,
+        attribution=attribution,
+        no_truth=no_truth,
+        contract=contract,
+        no_contract=no_contract,
+        decision=decide(mode, criteria),
+    )
+
+
+def compare(
+    actual: np.ndarray,
+    expected: np.ndarray,
+    tolerance: Tolerance,
+    rfc_tolerance: Tolerance,
+    axes: tuple[str, ...] = (),
+    positions: dict[str, np.ndarray] | None = None,
+    seq_lens: Sequence[int] | None = None,
+) -> Comparison:
+    """`measure` decided by the absolute gate alone (no truth looked up)."""
+    measured = measure(actual, expected, tolerance, rfc_tolerance, axes, positions, seq_lens)
+    return judge(measured, "absolute", None, "not looked up")
+
+
+def _unusable(shape: tuple[int, ...], tolerance: Tolerance, reason: str) -> Measurement:
+    nan = float("nan")
+    return Measurement(
         shape=tuple(shape),
         max_abs=nan,
         max_rel=nan,
@@ -538,9 +609,6 @@ def _unusable(shape: tuple[int, ...], tolerance: Tolerance, reason: str) -> Comp
         nonfinite=0,
         worst={},
         tolerance=tolerance,
-        nrmse_gated=False,
         rfc={},
-        failures=[reason],
-        absolute_failures=[reason],
-        usable=False,
+        unusable=reason,
     )

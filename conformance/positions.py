@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.metrics import Attribution, Comparison, attribute, judge
+from conformance.metrics import Attribution, Comparison, Measurement, attribute, elements_outside, judge
 from conformance.tolerances import RelativeLimits, Tolerance
 
 WINDOW_TOKENS = 256
@@ -162,8 +162,7 @@ def position_profile(
     windows = []
     for start, end in window_bounds(a.shape[0], window_tokens):
         rows = slice(start, end)
-        limit = tolerance.atol + tolerance.rtol * np.abs(b[rows])
-        apart = bool(np.any(~(np.abs(a[rows] - b[rows]) <= limit)))
+        apart = elements_outside(a[rows], b[rows], tolerance) > 0
         attribution = attribute(
             a[rows], b[rows], t[rows], f"out truth, tokens {start}-{end}", tolerance, limits, apart
         )
@@ -171,24 +170,26 @@ def position_profile(
     return PositionProfile(case_id, dtype, check, window_tokens, decode_from, tuple(windows))
 
 
-def judge_by_windows(comparison: Comparison, profile: PositionProfile, source: str) -> Comparison:
-    """Decide `comparison` (the whole output against the reference) by the relative gate of every window:
-    it records the worst window's attribution, and fails naming each window over the limit."""
+def judge_by_windows(measured: Measurement, profile: PositionProfile, source: str) -> Comparison:
+    """Decide `measured` (the whole output against the reference) by the relative gate of every window:
+    the worst window's criteria decide (every window holds when it does), and a failure names each
+    window over the limit."""
     worst = profile.worst
     attribution = dataclasses.replace(
         worst.attribution,
         source=f"{source}, tokens {worst.start}-{worst.end}: the worst of {len(profile.windows)} windows",
     )
-    judge(comparison, POSITIONS_MODE, attribution)
     failed = profile.failed
-    if failed and comparison.usable:
-        where = ", ".join(f"{w.start}-{w.end}" for w in failed[:8]) + (" …" if len(failed) > 8 else "")
-        comparison.failures = [
-            f"{len(failed)} of {len(profile.windows)} windows of {profile.window_tokens} tokens over the "
-            f"relative gate (tokens {where}); the worst, {worst.start}-{worst.end}: {reason}"
-            for reason in comparison.failures
-        ]
-    return comparison
+    where = ", ".join(f"{w.start}-{w.end}" for w in failed[:8]) + (" …" if len(failed) > 8 else "")
+    windows = (
+        f"{len(failed)} of {len(profile.windows)} windows of {profile.window_tokens} tokens over the "
+        f"relative gate (tokens {where}); the worst, {worst.start}-{worst.end}"
+    )
+    relative = tuple(
+        dataclasses.replace(criterion, detail=f"{windows}: {criterion.statement()}")
+        for criterion in attribution.relative_criteria
+    )
+    return judge(measured, POSITIONS_MODE, attribution, relative=relative)
 
 
 # ------------------------------------------------------------------------------------------- files

@@ -9,6 +9,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from conformance.verdict import MODE_GATES
 from kda_spec.dump_format import DTYPES
 
 DEFAULT_POLICY_FILE = Path(__file__).with_name("tolerances.toml")
@@ -17,9 +18,8 @@ RELATIVE_FIELDS = ("factor", "margin_floor", "nrmse_floor")
 CONTRACT_FIELDS = ("max_nrmse", "max_nrmse_fp32_stage", "max_gain", "min_tokens", "closer_factor")
 # Which gate decides a check: the absolute limits, the relative one (against the float64 truth), both,
 # or the relative one and the bf16 precision contract (against the float64 model of its roundings).
-GATE_MODES = ("absolute", "relative", "absolute+relative", "relative+contract")
+GATE_MODES = tuple(MODE_GATES)
 CONTRACT_MODE = "relative+contract"
-ABSOLUTE_MODES = ("absolute", "absolute+relative")  # the modes in which the absolute limits decide too
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,3 +21,8 @@ def report_of(checks: list[dict[str, Any]], digest: str | None = DIGEST) -> dict
         "dumps": dumps,
         "checks": checks,
     }
+
+
+def criterion(check: dict[str, Any], statistic: str) -> dict[str, Any]:
+    """The criterion recorded in `check` whose statistic starts with `statistic`."""
+    return next(c for c in check["metrics"]["criteria"] if c["statistic"].startswith(statistic))

@@ -13,7 +13,7 @@ import pytest
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
 from conformance.checks import CheckRunner, CheckSpec
 from conformance.diff import run_stages, table_lines
-from conformance.gate import breaches
+from conformance.gate import ReportError, breaches
 from conformance.metrics import Comparison, attribute, compare, contract_check, error_vs_contract, judge
 from conformance.reader import DumpSet
 from conformance.report import Record
@@ -28,7 +28,7 @@ from conformance.tolerances import (
 from conformance.truth import FP32_STAGES, computed_contract_model
 from tests.conformance import broken_adapters
 from tests.conformance.policy_files import edited_policy
-from tests.conformance.report_files import report_of
+from tests.conformance.report_files import criterion, report_of
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 BF16, RFC = Tolerance(atol=1e-2, rtol=1e-2), Tolerance(atol=1e-3, rtol=1e-3)
@@ -145,32 +145,36 @@ def _passed_record() -> dict[str, Any]:
     return Record(CheckSpec("T65", "bf16", "layer"), "passed", "", 0.1, comparison).as_dict(0.5)
 
 
+NRMSE, GAIN = "nRMSE vs the contract", "|gain|"
+
+
 @pytest.mark.parametrize(
     ("tamper", "reason"),
     [
-        (lambda c: c["impl"].update(gain=-3e-4), "|gain| vs the contract's model 0.0003 > 0.0001"),
-        (lambda c: c["impl"].update(nrmse=0.01), "nRMSE vs the contract's model 0.01 > 0.002"),
-        (lambda c: c.update(fp32_stage=True, impl={"nrmse": 1e-3, "gain": 0.0}), "0.001 > 0.0005"),
-        (lambda c: c["limits"].update(max_gain=0), "recorded contract limits"),
-        (lambda c: c["limits"].update(closer_factor=1e-9), "recorded contract limits"),
-        # exempt only when the truth block's own implementation error says so, not the contract block's
-        (
-            lambda c: c.update(truth_nrmse={"impl": 0.0, "model": 0.0}, impl={"nrmse": 0.01, "gain": 0}),
-            "0.01",
-        ),
+        (lambda c: criterion(c, GAIN).update(value=3e-4), "|gain| vs the contract's model 0.0003 > 0.0001"),
+        (lambda c: criterion(c, NRMSE).update(value=0.01), "nRMSE vs the contract's model 0.01 > 0.002"),
+        (lambda c: criterion(c, NRMSE).update(value=1e-3, floor=5e-4), "0.001 > 0.0005"),
     ],
 )
 def test_the_gate_recomputes_the_contract_from_the_recorded_numbers(tamper, reason: str) -> None:
     check = _passed_record()
     assert breaches(report_of([check])) == []
-    tamper(check["metrics"]["contract"])
+    tamper(check)
     found = breaches(report_of([check]))
     assert len(found) == 1 and reason in found[0], found
 
 
+def test_the_gate_refuses_a_contract_bound_of_zero() -> None:
+    check = _passed_record()
+    criterion(check, GAIN).update(floor=0)
+    with pytest.raises(ReportError, match=r"has the bound 0\.0: not > 0"):
+        breaches(report_of([check]))
+
+
 def test_the_gate_does_not_gate_a_contract_recorded_over_too_few_tokens() -> None:
     check = _passed_record()
-    check["metrics"]["contract"].update(tokens=8, impl={"nrmse": 1.0, "gain": 1.0})
+    for statistic in (NRMSE, GAIN):
+        criterion(check, statistic).update(tokens=8, value=1.0)
     assert breaches(report_of([check])) == []
 
 

@@ -16,6 +16,7 @@ from conformance.cli import main
 from conformance.metrics import compare
 from conformance.report import Record, write_json
 from conformance.tolerances import DEFAULT_POLICY_FILE, Tolerance, TolerancePolicy
+from tests.conformance.report_files import criterion
 from tests.conformance.report_files import report_of as _report
 
 CASES = ("T1", "T8", "T65")
@@ -166,23 +167,25 @@ def test_an_override_with_an_infinite_limit_is_refused(tmp_path: Path) -> None:
         TolerancePolicy.load(policy)
 
 
+NRMSE_CRITERION = {
+    "gate": "absolute", "statistic": "normalised RMSE", "value": 0.5, "factor": 0, "reference": 0,
+    "floor": 0.1, "tokens": 64, "min_tokens": 32,
+}  # fmt: skip
 TAMPERINGS = {
-    "margin above 1": ({"margin": 50.0}, "margin 50 > 1"),
-    "margin NaN": ({"margin": "nan"}, "margin nan > 1"),
-    "elements outside": ({"n_outside": 3}, "3 element(s) outside the tolerance"),
-    "NaN in the result": ({"nonfinite": 2}, "2 NaN/Inf value(s)"),
-    "infinite atol": ({"tolerance": {"atol": "inf", "rtol": 1e-5}}, "recorded atol inf is not a finite"),
-    "negative rtol": ({"tolerance": {"atol": 1e-5, "rtol": -1}}, "recorded rtol -1 is not a finite"),
-    "nRMSE over its limit": (
-        {
-            "nrmse_gated": True,
-            "nrmse": 0.5,
-            "gated_nrmse": 0.5,
-            "tolerance": {"atol": 1, "rtol": 1, "max_nrmse": 0.1},
-        },
-        "nRMSE 0.5 > 0.1",
+    "margin above 1": (lambda check: criterion(check, "margin").update(value=50.0), "margin 50 > 1"),
+    "margin NaN": (lambda check: criterion(check, "margin").update(value="nan"), "margin nan > 1"),
+    "NaN in the result": (
+        lambda check: criterion(check, "NaN/Inf values in the result").update(value=2),
+        "NaN/Inf values in the result 2 > 0",
     ),
-    "recorded failures": ({"failures": ["12 of 16 elements outside"]}, "recorded failures"),
+    "nRMSE over its limit": (
+        lambda check: check["metrics"]["criteria"].append(NRMSE_CRITERION),
+        "normalised RMSE 0.5 > 0.1",
+    ),
+    "recorded failures": (
+        lambda check: check["metrics"].update(failures=["12 of 16 elements outside"]),
+        "recorded failures",
+    ),
 }
 
 
@@ -190,7 +193,7 @@ TAMPERINGS = {
 def test_a_passed_status_whose_numbers_fail_is_a_breach(tmp_path: Path, capsys, name: str) -> None:
     edit, reason = TAMPERINGS[name]
     checks = _full()
-    checks[2]["metrics"].update(edit)
+    edit(checks[2])
     report = _write(tmp_path / "r.json", _report(checks))
     code, out, _ = _gate(capsys, report)
     assert code == 1
@@ -199,8 +202,9 @@ def test_a_passed_status_whose_numbers_fail_is_a_breach(tmp_path: Path, capsys, 
 
 def test_growth_is_judged_on_the_recomputed_ratio_not_the_recorded_one(tmp_path: Path, capsys) -> None:
     baseline, checks = _full(), _full()
-    baseline[0]["metrics"].update(margin=0.01)
-    checks[0]["metrics"].update(margin=0.5, gate_ratio=0.01)  # a ratio that hides the growth
+    criterion(baseline[0], "margin").update(value=0.01)
+    criterion(checks[0], "margin").update(value=0.5)
+    checks[0]["metrics"].update(gate_ratio=0.01)  # a ratio that hides the growth
     old = _write(tmp_path / "old.json", _report(baseline))
     code, out, _ = _gate(capsys, _write(tmp_path / "new.json", _report(checks)), "--baseline", old)
     assert code == 1 and "T1-fp32-layer: error grew over the baseline: ratio to the limit 0.01 → 0.5" in out
@@ -214,11 +218,24 @@ MALFORMED = {
     "metrics a string": (lambda checks: checks[0].update(metrics="x"), "'metrics' must be an object or null"),
     "a pass without metrics": (lambda checks: checks[0].update(metrics=None), "must record its 'metrics'"),
     "a margin that is text": (
-        lambda checks: checks[0]["metrics"].update(margin="low"),
-        "'margin' must be a number",
+        lambda checks: criterion(checks[0], "margin").update(value="low"),
+        "criterion 'value' must be a number",
     ),
-    "no tolerance": (lambda checks: checks[0]["metrics"].pop("tolerance"), "'tolerance' must be an object"),
-    "nrmse_gated not a bool": (lambda checks: checks[0]["metrics"].update(nrmse_gated="no"), "'nrmse_gated'"),
+    "an infinite bound": (
+        lambda checks: criterion(checks[0], "margin").update(floor="inf"),
+        "floor must be a finite number >= 0",
+    ),
+    "a bound of 0": (lambda checks: criterion(checks[0], "margin").update(floor=0), "not > 0"),
+    "no criteria": (lambda checks: checks[0]["metrics"].pop("criteria"), "'criteria' must be a list"),
+    "a criterion that is a number": (
+        lambda checks: checks[0]["metrics"]["criteria"].__setitem__(0, 5),
+        "a criterion must be an object",
+    ),
+    "the absolute gate left out": (
+        lambda checks: checks[0]["metrics"].update(criteria=checks[0]["metrics"]["criteria"][:1]),
+        "has none of the ['absolute'] gate(s) it measured",
+    ),
+    "an unknown mode": (lambda checks: checks[0]["metrics"].update(mode="lenient"), "'mode' must be one of"),
     "a duplicated id": (
         lambda checks: checks.append(dict(checks[0])),
         "check id 'T1-fp32-layer' appears twice",

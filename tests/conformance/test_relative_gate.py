@@ -19,7 +19,7 @@ from conformance.report import Record, write_json
 from conformance.tolerances import ModeRule, RelativeLimits, Tolerance, TolerancePolicy
 from tests.conformance import broken_adapters
 from tests.conformance.policy_files import edited_policy
-from tests.conformance.report_files import report_of
+from tests.conformance.report_files import criterion, report_of
 from tests.conformance.synthetic import write_dump_set
 
 STRICT, RFC = Tolerance(atol=1e-5, rtol=1e-5), Tolerance(atol=1e-3, rtol=1e-3)
@@ -176,29 +176,42 @@ def _conditioning_parts(error: float) -> tuple[Comparison, str, Any]:
     return comparison, "relative", attribute(REFERENCE + error, REFERENCE, TRUTH, "t", STRICT, LIMITS, True)
 
 
+def _without_truth(check: dict[str, Any]) -> None:
+    """The check as recorded without a truth: no relative criteria, the absolute gate decides."""
+    metrics = check["metrics"]
+    metrics["truth"] = {"available": False, "reason": "no truth"}
+    metrics["criteria"] = [c for c in metrics["criteria"] if c["gate"] != "relative"]
+
+
 @pytest.mark.parametrize(
     ("tamper", "reason"),
     [
-        (lambda t: t["impl"].update(margin=9.0), "margin vs truth 9 > 2.07"),
-        (lambda t: t["impl"].update(nrmse=1e-3), "nRMSE vs truth 0.001 >"),
-        (lambda t: t["limits"].update(factor=0.5), "not a factor >= 1 and floors > 0"),
-        (lambda t: t.update(available=False), "margin 1.18125 > 1"),  # no truth: the absolute gate decides
+        (lambda check: criterion(check, "margin vs truth").update(value=9.0), "margin vs truth 9 > 2×"),
+        (lambda check: criterion(check, "nRMSE vs truth").update(value=1e-3), "nRMSE vs truth 0.001 >"),
+        (_without_truth, "margin 1.18 > 1"),  # no truth: the absolute gate decides
     ],
 )
 def test_the_gate_recomputes_the_relative_verdict_from_the_recorded_numbers(tamper, reason: str) -> None:
     check = _record(_conditioning())
-    tamper(check["metrics"]["truth"])
+    tamper(check)
     found = breaches(report_of([check]))
     assert (
         len(found) == 1 and "recorded as passed, but its numbers fail" in found[0] and reason in found[0]
     ), found
 
 
+def test_the_gate_refuses_a_truth_without_its_relative_criteria() -> None:
+    check = _record(_conditioning())
+    check["metrics"]["criteria"] = [c for c in check["metrics"]["criteria"] if c["gate"] != "relative"]
+    with pytest.raises(ReportError, match=r"has none of the \['relative'\] gate\(s\) it measured"):
+        breaches(report_of([check]))
+
+
 def test_the_gate_checks_both_gates_of_absolute_and_relative() -> None:
     check = _record(_conditioning())
     check["metrics"]["mode"] = "absolute+relative"  # the absolute numbers do not hold
     found = breaches(report_of([check]))
-    assert len(found) == 1 and "margin 1.18125 > 1" in found[0]
+    assert len(found) == 1 and "margin 1.18 > 1" in found[0]
 
 
 def test_the_gate_refuses_an_unknown_mode(tmp_path: Path) -> None:
@@ -212,15 +225,6 @@ def test_the_gate_refuses_an_unknown_mode(tmp_path: Path) -> None:
         r"'relative\+contract'\], found 'lenient'",
     ):
         load_report(path)
-
-
-def test_a_report_made_before_the_relative_gate_is_gated_absolutely() -> None:
-    check = _record(compare(REFERENCE + 1e-6, REFERENCE, STRICT, RFC, ("token", "channel")))
-    for key in ("mode", "judged_by", "truth", "absolute_ratio", "absolute_failures"):
-        del check["metrics"][key]
-    assert breaches(report_of([check])) == []
-    check["metrics"]["margin"] = 3.0
-    assert "margin 3 > 1" in breaches(report_of([check]))[0]
 
 
 # ------------------------------------------------------------------------------- broken adapters

@@ -1,0 +1,221 @@
+"""The verdict engine: every pass/fail of the project is decided here, from criteria.
+
+A **criterion** is one statistic and its bound: `value <= factor · reference + floor` — a fixed limit
+(the absolute gate: factor 0), or a multiple of the reference's own number plus a floor (the relative
+gate: the implementation's error against the float64 truth against the reference's). It applies from
+`min_tokens` tokens of the result on, and not where its `unless` criterion holds (the precision
+contract's exemption of a result closer to the truth than the contract's model).
+
+A check records all its criteria, grouped by gate (`absolute`, `relative`, `contract`, and `finite`:
+no NaN or Inf, which decides every check); its gate mode says which gates decide (`MODE_GATES`), and
+`judged_by` which of those it has criteria for. The suite,
+`gate` (which rebuilds the criteria from a report), `diff`, `power` and the long cases' windows all
+decide with `decide`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+# `finite` (no NaN or Inf in the result) decides every check, whatever its mode.
+GATES = ("finite", "absolute", "relative", "contract")
+# Which gates decide a check in each gate mode (tolerances.toml's `[[mode]]` rules).
+MODE_GATES: dict[str, tuple[str, ...]] = {
+    "absolute": ("absolute",),
+    "relative": ("relative",),
+    "absolute+relative": ("absolute", "relative"),
+    "relative+contract": ("relative", "contract"),
+}
+_NUMBER_FIELDS = ("value", "factor", "reference", "floor")
+# What a failure of each gate's criteria is prefixed with.
+_FAILURE_PREFIX = {
+    "finite": "",
+    "absolute": "",
+    "relative": "relative to the reference: ",
+    "contract": "precision contract: ",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Criterion:
+    """`value <= factor · reference + floor`, from `min_tokens` of the result's `tokens` on, and not where
+    `unless` holds. `gate` is the gate it belongs to, `statistic` what `value` is, in words; `detail`,
+    where given, what a failure says instead of the numbers alone (where the worst element is)."""
+
+    gate: str
+    statistic: str
+    value: float
+    floor: float
+    factor: float = 0.0
+    reference: float = 0.0
+    tokens: int = 0
+    min_tokens: int = 0
+    unless: Criterion | None = None
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        if self.gate not in GATES:
+            raise ValueError(f"criterion {self.statistic!r}: gate must be one of {GATES}, got {self.gate!r}")
+        for name in ("factor", "floor"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(
+                    f"criterion {self.statistic!r}: {name} must be a finite number >= 0, got {value}"
+                )
+        if not self.reference >= 0:  # a reference's error; inf is a bound nothing exceeds, NaN none holds
+            raise ValueError(f"criterion {self.statistic!r}: reference must be >= 0, got {self.reference}")
+
+    @property
+    def bound(self) -> float:
+        return self.factor * self.reference + self.floor if self.factor else self.floor
+
+    @property
+    def applies(self) -> bool:
+        return self.tokens >= self.min_tokens and not (self.unless is not None and self.unless.holds)
+
+    @property
+    def holds(self) -> bool:
+        """Within its bound (NaN never is), or not applying."""
+        return not self.applies or self.value <= self.bound
+
+    @property
+    def ratio(self) -> float:
+        """`value` as a share of its bound (<= 1 holds); 0 where it does not apply."""
+        if not self.applies:
+            return 0.0
+        if self.bound > 0:
+            return self.value / self.bound
+        return 0.0 if self.value == 0 else math.inf
+
+    def why_not_applied(self) -> str | None:
+        if self.tokens < self.min_tokens:
+            return f"not gated: {self.tokens} tokens < {self.min_tokens}"
+        if self.unless is not None and self.unless.holds:
+            return f"exempt: {self.unless.statistic}"
+        return None
+
+    def statement(self) -> str:
+        """`<statistic> <value> > <bound>`, the numbers of a failure."""
+        bound = f"{self.factor:g}×{self.reference:.3g} + {self.floor:g}" if self.factor else f"{self.floor:g}"
+        return f"{self.statistic} {self.value:.3g} > {bound}"
+
+    def text(self) -> str:
+        """What the criterion says when it does not hold: its detail, or `statement`."""
+        return self.detail or self.statement()
+
+    def failure(self) -> str:
+        """`text`, after the gate it belongs to."""
+        return _FAILURE_PREFIX[self.gate] + self.text()
+
+    def as_dict(self) -> dict[str, Any]:
+        record = {
+            "gate": self.gate,
+            "statistic": self.statistic,
+            "value": self.value,
+            "factor": self.factor,
+            "reference": self.reference,
+            "floor": self.floor,
+            "bound": self.bound,
+            "tokens": self.tokens,
+            "min_tokens": self.min_tokens,
+            "applies": self.applies,
+            "holds": self.holds,
+        }
+        if self.detail:
+            record["detail"] = self.detail
+        if self.unless is not None:
+            record["unless"] = self.unless.as_dict()
+        return record
+
+    @classmethod
+    def from_dict(cls, record: Mapping[str, Any], label: str) -> Criterion:
+        """The criterion a report records (its derived fields — bound, applies, holds — recomputed, never
+        read); a ValueError names the field at fault."""
+        if not isinstance(record, Mapping):
+            raise ValueError(f"{label}: a criterion must be an object, found {record!r}")
+        numbers = {name: _number(record, name, label) for name in _NUMBER_FIELDS}
+        counts = {name: _count(record, name, label) for name in ("tokens", "min_tokens")}
+        texts = {name: record.get(name, "") for name in ("gate", "statistic", "detail")}
+        for name, text in texts.items():
+            if not isinstance(text, str):
+                raise ValueError(f"{label}: criterion {name!r} must be a string, found {text!r}")
+        unless = record.get("unless")
+        try:
+            return cls(
+                **texts,
+                **numbers,
+                **counts,
+                unless=None if unless is None else cls.from_dict(unless, f"{label}: unless"),
+            )
+        except ValueError as err:
+            raise ValueError(f"{label}: {err}") from None
+
+
+def _number(record: Mapping[str, Any], name: str, label: str) -> float:
+    """A recorded number; report.json stores NaN and Inf as the strings 'nan', 'inf', '-inf'."""
+    value = record.get(name)
+    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{label}: criterion {name!r} must be a number, found {value!r}")
+    return float(value)
+
+
+def _count(record: Mapping[str, Any], name: str, label: str) -> int:
+    value = record.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{label}: criterion {name!r} must be a whole number >= 0, found {value!r}")
+    return value
+
+
+def judged_by(mode: str, criteria: Iterable[Criterion]) -> str:
+    """The gates that decide a check of gate `mode`, as a mode name: the mode's own, less the gates it
+    has no criteria for — without a truth (no relative criterion) the absolute gate decides alone; a
+    contract mode without the contract's model is the relative gate alone."""
+    if mode not in MODE_GATES:
+        raise ValueError(f"gate mode must be one of {list(MODE_GATES)}, got {mode!r}")
+    present = {criterion.gate for criterion in criteria}
+    wanted = MODE_GATES[mode]
+    gates = tuple(gate for gate in wanted if gate in present)
+    if ("relative" in wanted and "relative" not in present) or not gates:
+        return "absolute"
+    return next(name for name, mode_gates in MODE_GATES.items() if mode_gates == gates)
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """A check decided: the gates that decide it (`judged_by`) over all its `criteria`."""
+
+    judged_by: str
+    criteria: tuple[Criterion, ...]
+
+    @property
+    def deciding(self) -> tuple[Criterion, ...]:
+        gates = ("finite", *MODE_GATES[self.judged_by])
+        return tuple(criterion for criterion in self.criteria if criterion.gate in gates)
+
+    @property
+    def passed(self) -> bool:
+        return all(criterion.holds for criterion in self.deciding)
+
+    @property
+    def ratio(self) -> float:
+        """The largest deciding criterion as a share of its bound: <= 1 holds."""
+        ratios = [criterion.ratio for criterion in self.deciding]
+        if any(math.isnan(ratio) for ratio in ratios):
+            return math.nan
+        return max(ratios, default=0.0)
+
+    def failures(self, gate: str | None = None) -> list[str]:
+        """The deciding criteria that do not hold (those of `gate`, deciding or not, when given)."""
+        chosen = self.deciding if gate is None else [c for c in self.criteria if c.gate == gate]
+        return [criterion.failure() for criterion in chosen if not criterion.holds]
+
+
+def decide(mode: str, criteria: Iterable[Criterion]) -> Verdict:
+    """The verdict of a check of gate `mode` with these criteria."""
+    criteria = tuple(criteria)
+    return Verdict(judged_by(mode, criteria), criteria)
