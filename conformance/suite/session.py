@@ -95,7 +95,7 @@ class ConformanceSession:
                     "kernel_used": {dtype: adapter.kernel_used for dtype, adapter in adapters.items()},
                     "describe": {dtype: adapter.describe() for dtype, adapter in adapters.items()},
                 },
-                "environment": environment(),
+                "environment": environment({dtype: a.kernel_used for dtype, a in adapters.items()}),
                 "tolerances": self.policy.as_dict(),
                 "selection": {
                     "cases": self.dumps.case_ids(self.options.cases),
