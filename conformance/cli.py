@@ -17,6 +17,7 @@ from conformance.compile_cache import enable_compile_cache
 from conformance.cpu_compile import prefer_fast_cpu_compile
 from conformance.output_files import check_writable_file, clear_report_dir, nothing_checked
 from conformance.reader import DumpError, DumpSet
+from conformance.run_platform import REQUIRABLE_PLATFORMS, platform_breaches
 from conformance.tolerances import DEFAULT_POLICY_FILE, TolerancePolicy, check_growth_factor
 from kda_spec.dump_format import DTYPES
 
@@ -76,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="compare with a baseline made on another dump set (or one that records none)",
     )
     gate.add_argument("--tolerances", default=str(DEFAULT_POLICY_FILE), help="tolerance policy file")
+    gate.add_argument(
+        "--require-platform",
+        choices=REQUIRABLE_PLATFORMS,
+        help="fail a report made on another platform or with interpreted Pallas (default: the policy's "
+        "[platform] require)",
+    )
 
     diff = commands.add_parser("diff", help="errors stage by stage through the layer for one case")
     diff.add_argument("--dumps", required=True, metavar="DIR_OR_URL")
@@ -201,6 +208,9 @@ def cmd_gate(args: argparse.Namespace) -> int:
         found = breaches(report, baseline, factor, policy.growth_min_ratio)
     except ReportError as err:
         raise UsageError(str(err)) from None
+    required = args.require_platform or policy.require_platform
+    if required:
+        found += platform_breaches(report, required)
     mismatch = dump_set_mismatch(report, baseline) if baseline else None
     if mismatch and not args.allow_different_dumps:
         raise UsageError(
@@ -214,7 +224,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
             print(f"  {line}")
         return EXIT_FAIL
     against = f" against baseline {args.baseline} (growth ≤ ×{factor:g})" if baseline else ""
-    print(f"gate: ok ({totals}){against}")
+    on = f", made on {required}" if required else ""
+    print(f"gate: ok ({totals}){on}{against}")
     return EXIT_OK
 
 
