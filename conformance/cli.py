@@ -297,8 +297,18 @@ def cmd_power(args: argparse.Namespace) -> int:
 COMMANDS = {"run": cmd_run, "gate": cmd_gate, "diff": cmd_diff, "verify": cmd_verify, "power": cmd_power}
 
 
+def find_adapters_in_cwd() -> None:
+    """Let `--impl module:Attr` name a module of the current folder under `kda-conform` too, as under
+    `python -m conformance`: a console script's sys.path starts at its own bin folder, not at the cwd.
+    Appended, after the installed packages, so that no file of the folder hides one of them."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.append(cwd)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    find_adapters_in_cwd()
     prefer_fast_cpu_compile()  # before JAX starts: XLA reads $XLA_FLAGS once
     try:
         return COMMANDS[args.command](args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -64,6 +65,51 @@ def test_run_writes_the_three_reports(good_run: tuple[Path, str]) -> None:
     assert 'name="test_check[T8-fp32-decode-k1]"' in junit
     assert "KDA conformance" in stdout and "decode" in stdout
     assert main(["gate", str(reports / "report.json")]) == 0
+
+
+def test_the_reports_say_first_where_the_run_ran(good_run: tuple[Path, str]) -> None:
+    reports, stdout = good_run
+    platform = json.loads((reports / "report.json").read_text())["environment"]["platform"]
+    assert set(platform) >= {
+        "name",
+        "backend",
+        "device_kind",
+        "device_count",
+        "kernels",
+        "pallas_interpreted",
+    }
+    assert platform["kernels"] == {"fp32": "auto", "bf16": "auto"}  # the numpy adapter's kernel_used
+    first = f"platform: {platform['name']}, {platform['device_kind']} ×{platform['device_count']}"
+    summary = stdout[stdout.index("KDA conformance") :].splitlines()
+    assert summary[1].startswith(first) and summary[2] == "kernels: auto (fp32, bf16)"
+    markdown = (reports / "report.md").read_text().splitlines()
+    assert markdown[2].startswith(f"- {first}") and markdown[3] == "- kernels: auto (fp32, bf16)"
+
+
+def test_kda_conform_finds_an_adapter_in_the_current_folder(tmp_path: Path, synthetic_dumps: Path) -> None:
+    """As a console script runs it: `python -P`, the cwd not on sys.path; the module is found there."""
+    (tmp_path / "my_adapter.py").write_text("class Mine:\n    pass\n")
+    script = "import sys; from conformance.cli import main; sys.exit(main(sys.argv[1:]))"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-P",
+            "-c",
+            script,
+            "run",
+            "--dumps",
+            str(synthetic_dumps),
+            "--impl",
+            "my_adapter:Mine",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2
+    assert "'Mine' is not a subclass of conformance.adapter.KDAAdapter" in result.stderr, result.stderr
 
 
 def test_broken_implementation_fails_run_and_gate(
@@ -130,9 +176,10 @@ def test_gate_fails_where_an_error_grew_over_the_baseline(
 def test_usage_errors_are_one_line_and_exit_2(tmp_path: Path, synthetic_dumps: Path) -> None:
     result = _run("run", "--dumps", str(tmp_path / "missing"))
     assert result.returncode == 2
-    assert (
-        result.stderr.strip()
-        == f"error: {tmp_path / 'missing'}: no such dump set (the folder does not exist)"
+    assert result.stderr.strip() == (
+        f"error: {tmp_path / 'missing'}: no such dump set (the folder does not exist); "
+        "a dump set is made by `make golden` (golden/ of a checkout of this repository) or "
+        "`python -m dump_gen --out DIR`, or read from the gs:// URL it was written to"
     )
     result = _run("run", "--dumps", str(synthetic_dumps), "--impl", "no_such_module:Adapter")
     assert result.returncode == 2 and "cannot import module 'no_such_module'" in result.stderr
