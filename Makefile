@@ -2,14 +2,38 @@
 #   make conform   the conformance suite of kda_impl against golden/ (JAX only, no torch)
 #   make test      the project's own tests (installs the CPU torch references too), on PYTEST_WORKERS
 #                  processes (pytest-xdist; default: the CPU count, at most 4)
+# Each target installs the extras of this host's platform, PLATFORM=cpu|tpu|cuda, detected
+# (conformance/host_platform.py) unless given, with the exact pins of constraints.txt; DUMPS= or OUT= a
+# gs:// URL installs the gcs extra too. docs/platforms.md has the commands per platform.
 # JAX's persistent compilation cache (conformance/compile_cache.py) lives in .cache/jax, or in
 # $JAX_COMPILATION_CACHE_DIR (set empty: off): `make conform` after `make test` reuses what the tests compiled.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-TORCH_EXTRA ?= torch-cpu
 export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+ifeq ($(origin PLATFORM),undefined)
+PLATFORM_SOURCE := $(shell $(PYTHON) -m conformance.host_platform --explain)
+PLATFORM := $(firstword $(subst :, ,$(PLATFORM_SOURCE)))
+else
+PLATFORM_SOURCE := $(PLATFORM): as given
+endif
+ifeq ($(filter $(PLATFORM),cpu tpu cuda),)
+$(error PLATFORM=$(PLATFORM) is not one of cpu tpu cuda)
+endif
+JAX_EXTRAS_cpu := kda-impl
+JAX_EXTRAS_tpu := kda-impl,tpu
+JAX_EXTRAS_cuda := kda-impl,cuda
+TORCH_EXTRA_cpu := torch-cpu
+TORCH_EXTRA_tpu := torch-cpu
+TORCH_EXTRA_cuda := torch-gpu
+JAX_EXTRAS := $(JAX_EXTRAS_$(PLATFORM))
+TORCH_EXTRA ?= $(TORCH_EXTRA_$(PLATFORM))
+PIP_INSTALL := $(PY) -m pip install -q -c constraints.txt
+# libtpu for `make test`'s deviceless TPU compile (tests/kda_impl/test_tpu_compile.py), in a folder of
+# its own: in site-packages every JAX process of the tests would look for a TPU.
+LIBTPU_DIR := $(VENV)/libtpu
 
 DUMPS ?= golden
 REPORT_DIR ?= reports
@@ -17,51 +41,71 @@ KERNEL ?= auto
 OUT ?= dumps/$(PRESET)
 PRESET ?= kimi-linear-48b-a3b
 REFERENCE ?= transformers
-DEVICE ?= cpu
+DEVICE ?= $(if $(filter cuda,$(PLATFORM)),cuda,cpu)
 PYTEST_ARGS ?=
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 DUMP_ARGS ?=
+GCS_FOR_DUMPS := $(if $(filter gs://%,$(DUMPS)),$(VENV)/.gcs)
+GCS_FOR_OUT := $(if $(filter gs://%,$(OUT)),$(VENV)/.gcs)
 
 .PHONY: conform test test-slow dump golden lint bench conform-full conform-sglang-jax clean-venv device-check
 
-$(VENV)/.core: pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+$(PY):
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e .
+
+$(VENV)/.core-$(PLATFORM): pyproject.toml constraints.txt | $(PY)
+	@echo "platform $(PLATFORM_SOURCE); installing .[$(JAX_EXTRAS)]"
+	$(PIP_INSTALL) -e '.[$(JAX_EXTRAS)]'
 	touch $@
 
-$(VENV)/.full: $(VENV)/.core
-	$(PY) -m pip install -q -e '.[$(TORCH_EXTRA),png,dev]'
+$(VENV)/.full-$(PLATFORM): $(VENV)/.core-$(PLATFORM)
+	$(PIP_INSTALL) -e '.[$(JAX_EXTRAS),$(TORCH_EXTRA),png,dev]'
 	touch $@
 
-conform: $(VENV)/.core
+# The torch references alone, for `make dump` (on an H100: torch-gpu, no JAX CUDA stack beside it).
+$(VENV)/.torch-$(PLATFORM): pyproject.toml constraints.txt | $(PY)
+	@echo "platform $(PLATFORM_SOURCE); installing .[$(TORCH_EXTRA)]"
+	$(PIP_INSTALL) -e '.[$(TORCH_EXTRA)]'
+	touch $@
+
+$(VENV)/.gcs: pyproject.toml constraints.txt | $(PY)
+	$(PIP_INSTALL) -e '.[gcs]'
+	touch $@
+
+$(LIBTPU_DIR)/.installed: constraints.txt | $(PY)
+	rm -rf $(LIBTPU_DIR)
+	$(PIP_INSTALL) --no-deps --target $(LIBTPU_DIR) libtpu
+	touch $@
+
+conform: $(VENV)/.core-$(PLATFORM) $(GCS_FOR_DUMPS)
 	$(PY) -m conformance run --dumps $(DUMPS) --kernel $(KERNEL) --report-dir $(REPORT_DIR)
 
-test: $(VENV)/.full
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
+test: $(VENV)/.full-$(PLATFORM) $(LIBTPU_DIR)/.installed
+	KDA_LIBTPU_PATH=$(abspath $(LIBTPU_DIR)) $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
-test-slow: $(VENV)/.full
+test-slow: $(VENV)/.full-$(PLATFORM)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
-dump: $(VENV)/.full
+dump: $(VENV)/.torch-$(PLATFORM) $(GCS_FOR_OUT)
 	$(PY) -m dump_gen --out $(OUT) --preset $(PRESET) --reference $(REFERENCE) --device $(DEVICE) $(DUMP_ARGS)
 
 # golden/ stays <= 32 MiB: the float64 truth of the intermediates only for its cases of <= 65 tokens.
-golden: $(VENV)/.full
+golden: $(VENV)/.full-$(PLATFORM)
 	rm -rf golden.tmp && $(PY) -m dump_gen --out golden.tmp --preset mini --reference transformers --device cpu \
 		--truth-intermediates-max-tokens 65
 	cp golden/README.md golden.tmp/README.md && rm -rf golden && mv golden.tmp golden
 
-conform-full: $(VENV)/.full
+conform-full: $(VENV)/.full-$(PLATFORM)
 	$(PY) -m dump_gen --out dumps/kimi-linear-48b-a3b --overwrite --preset kimi-linear-48b-a3b --reference transformers --device cpu
 	$(PY) -m conformance run --dumps dumps/kimi-linear-48b-a3b --report-dir $(REPORT_DIR)/full-tp1
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m conformance run \
 		--dumps dumps/kimi-linear-48b-a3b --tp 4 --report-dir $(REPORT_DIR)/full-tp4
 
-lint: $(VENV)/.full
+lint: $(VENV)/.full-$(PLATFORM)
 	pre-commit run --all-files
 
-bench: $(VENV)/.full
+bench: $(VENV)/.full-$(PLATFORM)
 	$(PY) -m benchmarks.chunk_margins
 	$(PY) -m benchmarks.bench_kernels
 	$(PY) -m benchmarks.bench_decode
@@ -76,7 +120,7 @@ device-check:
 SGLANG_JAX ?=
 SGLANG_JAX_RUN = $(PY) -m conformance run --impl examples.sglang_jax.adapter:SglangJaxAdapter \
 	--impl-option sglang_jax=$(SGLANG_JAX)
-conform-sglang-jax: $(VENV)/.full
+conform-sglang-jax: $(VENV)/.full-$(PLATFORM)
 	@test -n "$(SGLANG_JAX)" || { echo "give the checkout: make conform-sglang-jax SGLANG_JAX=/path/to/sglang-jax"; exit 2; }
 	test -f dumps/stress-mini/manifest.json || $(PY) -m dump_gen --out dumps/stress-mini --preset mini \
 		--weights stress --cases T8 T65 varlen_initstate T333 varlen_70_3 --no-progress

@@ -26,6 +26,7 @@ from conformance.guard import (
 )
 from conformance.output_files import check_writable_file, clear_report_dir
 from conformance.reader import DumpError, DumpSet
+from conformance.run_platform import REQUIRABLE_PLATFORMS, platform_breaches
 from conformance.tolerances import DEFAULT_POLICY_FILE, TolerancePolicy, check_growth_factor
 from kda_spec.dump_format import DTYPES
 
@@ -95,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="compare with a baseline made on another dump set (or one that records none)",
     )
     gate.add_argument("--tolerances", default=str(DEFAULT_POLICY_FILE), help="tolerance policy file")
+    gate.add_argument(
+        "--require-platform",
+        choices=REQUIRABLE_PLATFORMS,
+        help="fail a report made on another platform or with interpreted Pallas (default: the policy's "
+        "[platform] require)",
+    )
 
     diff = commands.add_parser("diff", help="errors stage by stage through the layer for one case")
     diff.add_argument("--dumps", required=True, metavar="DIR_OR_URL")
@@ -268,6 +275,9 @@ def cmd_gate(args: argparse.Namespace) -> int:
         found = breaches(report, baseline, factor, policy.growth_min_ratio)
     except ReportError as err:
         raise UsageError(str(err)) from None
+    required = args.require_platform or policy.require_platform
+    if required:
+        found += platform_breaches(report, required)
     mismatch = dump_set_mismatch(report, baseline) if baseline else None
     if mismatch and not args.allow_different_dumps:
         raise UsageError(
@@ -281,7 +291,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
             print(f"  {line}")
         return EXIT_IMPLEMENTATION if has_implementation_faults(report) else EXIT_FAIL
     against = f" against baseline {args.baseline} (growth ≤ ×{factor:g})" if baseline else ""
-    print(f"gate: ok ({totals}){against}")
+    on = f", made on {required}" if required else ""
+    print(f"gate: ok ({totals}){on}{against}")
     return EXIT_OK
 
 
@@ -354,8 +365,18 @@ def cmd_power(args: argparse.Namespace) -> int:
 COMMANDS = {"run": cmd_run, "gate": cmd_gate, "diff": cmd_diff, "verify": cmd_verify, "power": cmd_power}
 
 
+def find_adapters_in_cwd() -> None:
+    """Let `--impl module:Attr` name a module of the current folder under `kda-conform` too, as under
+    `python -m conformance`: a console script's sys.path starts at its own bin folder, not at the cwd.
+    Appended, after the installed packages, so that no file of the folder hides one of them."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.append(cwd)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    find_adapters_in_cwd()
     prefer_fast_cpu_compile()  # before JAX starts: XLA reads $XLA_FLAGS once
     try:
         return COMMANDS[args.command](args)

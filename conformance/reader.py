@@ -28,6 +28,11 @@ _RESULT_NAMES = (*fmt.KERNEL_KEYS, *fmt.INTERMEDIATE_KEYS, *fmt.OPTIONAL_KEYS)
 _REQUIRED_CASE_FIELDS = ("id", "file", "sha256", "seq_lens")
 _CONFIG_INT_FIELDS = ("hidden_size", "num_heads", "head_dim", "conv_size")
 _LAYER_KERNEL_PATHS = ("chunk", "fused_recurrent")
+# Where a dump set comes from, for a --dumps that names none (an installed package carries no golden/).
+WHERE_SETS_COME_FROM = (
+    "a dump set is made by `make golden` (golden/ of a checkout of this repository) or "
+    "`python -m dump_gen --out DIR`, or read from the gs:// URL it was written to"
+)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -135,7 +140,9 @@ class DumpSet:
         except FileNotFoundError:
             if relpath == fmt.MANIFEST_FILE:
                 if not self._fs.exists(self._root):
-                    raise DumpError(f"{self.url}: no such dump set (the folder does not exist)") from None
+                    raise DumpError(
+                        f"{self.url}: no such dump set (the folder does not exist); {WHERE_SETS_COME_FROM}"
+                    ) from None
                 raise DumpError(
                     f"{self._where(relpath)}: missing: not a dump set, or an incomplete one"
                 ) from None

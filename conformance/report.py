@@ -10,6 +10,7 @@ import io
 import json
 import math
 import platform
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import tabulate
 from conformance.checks import GROUPS, CheckSpec
 from conformance.guard import fault_lines
 from conformance.metrics import VERDICTS, Comparison, percent
+from conformance.run_platform import interpret_warning, platform_block, platform_lines, platform_markdown
 from conformance.tolerances import CONTRACT_MODE
 
 REPORT_FORMAT = "kda-conformance-report"
@@ -71,8 +73,9 @@ def summary_counts(records: list[Record], close_margin: float) -> dict[str, int]
     return counts
 
 
-def environment() -> dict[str, Any]:
-    """Device and versions of the run."""
+def environment(kernel_used: Mapping[str, str]) -> dict[str, Any]:
+    """Device and versions of the run, and the platform it ran on with how each dtype's kernels ran
+    (`platform`: conformance/run_platform.py)."""
     import jax
 
     versions = {}
@@ -87,7 +90,8 @@ def environment() -> dict[str, Any]:
         "device_kind": devices[0].device_kind,
         "devices": [str(device) for device in devices],
         "python": platform.python_version(),
-        "platform": platform.platform(),
+        "platform": platform_block(kernel_used),
+        "host": platform.platform(),
         "versions": versions,
     }
 
@@ -311,10 +315,15 @@ def _problem_lines(report: dict[str, Any]) -> list[str]:
 
 
 def terminal_lines(report: dict[str, Any]) -> list[str]:
-    """The verdict line, the faults, the table printed at the end of a run, then the checks that did
-    not hold."""
+    """The verdict line, where the run ran and how its kernels ran, the faults, the table, then the checks
+    that did not hold; the interpret warning once more last."""
     header, body = summary_rows(report)
-    lines = [headline(report), *_problem_lines(report), *format_text_table(header, body)]
+    lines = [
+        headline(report),
+        *platform_lines(report),
+        *_problem_lines(report),
+        *format_text_table(header, body),
+    ]
     lines.append(
         "cells: worst ratio to the gate's limit in the group (<= 1 holds), ok* = some skipped; "
         "RFC tolerance: the RFC's limit for the row's dtype and the checks outside it (reported, not gated)"
@@ -326,7 +335,8 @@ def terminal_lines(report: dict[str, Any]) -> list[str]:
     lines.append(
         ", ".join(f"{counts[s]} {s}" for s in STATUSES) + f" ({counts['close_to_limit']} close to the limit)"
     )
-    return lines
+    warning = interpret_warning(report)
+    return lines if warning is None else [*lines, warning]
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -340,6 +350,8 @@ def markdown(report: dict[str, Any]) -> str:
         "# KDA conformance report",
         "",
         f"**{word}**" + headline(report).removeprefix(word) + ".",
+        "",
+        *platform_markdown(report),
         "",
         ", ".join(f"{counts[s]} {s}" for s in STATUSES) + f", {counts['close_to_limit']} close to the limit.",
         "",

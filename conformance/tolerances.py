@@ -9,6 +9,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from conformance.run_platform import check_required_platform
 from conformance.verdict import MODE_GATES
 from kda_spec.dump_format import DTYPES
 
@@ -142,6 +143,7 @@ class TolerancePolicy:
     growth_factor: float
     growth_min_ratio: float
     source: str
+    require_platform: str | None = None  # `[platform] require`: the gate refuses a report made elsewhere
 
     @classmethod
     def load(cls, path: str | Path = DEFAULT_POLICY_FILE) -> TolerancePolicy:
@@ -170,6 +172,7 @@ class TolerancePolicy:
                     _setting(data, "baseline", "min_ratio", 0.1), "[baseline] min_ratio"
                 ),
                 source=str(path),
+                require_platform=_required_platform(data),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"{path}: {err}") from None
@@ -201,6 +204,7 @@ class TolerancePolicy:
             "close_margin": self.close_margin,
             "growth_factor": self.growth_factor,
             "growth_min_ratio": self.growth_min_ratio,
+            "require_platform": self.require_platform,
         }
 
 
@@ -221,6 +225,12 @@ def _setting(data: dict[str, Any], table: str, key: str, default: float) -> Any:
     if not isinstance(block, dict):
         raise ValueError(f"[{table}] must be a table, got {block!r}")
     return block.get(key, default)
+
+
+def _required_platform(data: dict[str, Any]) -> str | None:
+    """`[platform] require`: a platform the gate requires of a report, or None when unset."""
+    value = _setting(data, "platform", "require", None)
+    return None if value is None else check_required_platform(value, "[platform] require")
 
 
 def _non_negative(value: Any, name: str) -> float:

@@ -232,7 +232,7 @@ class ConformanceSession:
             "checker_errors": [
                 {"message": line, "traceback": text} for line, text in self.checker_errors.items()
             ],
-            "environment": environment(),
+            "environment": environment({dtype: adapter.kernel_used for dtype, adapter in adapters.items()}),
             "tolerances": self.policy.as_dict(),
             "selection": {
                 "cases": self.dumps.case_ids(self.options.cases),

@@ -160,6 +160,12 @@ class SglangJaxAdapter(KDAAdapter):
             raise ValueError(f"--impl-option interpret={interpret!r}: expected 1 or 0")
         return {CHECKOUT_OPTION: checkout, "interpret": interpret}
 
+    @property
+    def kernel_used(self) -> str:
+        """Its Pallas prefill kernel and how it ran: `pallas (interpret, cpu)` or `pallas (mosaic, tpu)`."""
+        mode = "interpret" if self.options["interpret"] == "1" else "mosaic"
+        return f"pallas ({mode}, {jax.default_backend()})"
+
     def describe(self) -> dict[str, Any]:
         return {
             "jax": jax.__version__,

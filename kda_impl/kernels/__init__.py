@@ -10,7 +10,8 @@
 
 Choose with the `kernel=` argument of each function or the `KDA_KERNEL` environment variable
 (`naive|pallas|auto`, default `auto`). `resolve_kernel()` says which implementation a call would use,
-`kernel_choice()` what the calls so far used (the conformance report's `kernel_used`).
+`kernel_choice()` what the calls so far used and how they ran (the conformance report's `kernel_used`):
+`naive (xla, cpu)`, `pallas (mosaic, tpu)`, `pallas (interpret, cpu)`.
 """
 
 from __future__ import annotations
@@ -187,14 +188,27 @@ def resolve_kernel(kernel: str | None = None, call: KernelCall | None = None) ->
     return "pallas"
 
 
+def execution(implementation: str) -> str:
+    """How `implementation` ('naive' or 'pallas') runs on this backend: `naive (xla, cpu)`, compiled by
+    XLA; `pallas (mosaic, tpu)`, compiled by Mosaic; `pallas (interpret, cpu)`, Pallas' interpreter
+    (anywhere but a TPU)."""
+    backend = jax.default_backend()
+    if implementation == "naive":
+        return f"naive (xla, {backend})"
+    return f"pallas ({'mosaic' if pallas_is_native() else 'interpret'}, {backend})"
+
+
 def kernel_choice(kernel: str | None = None) -> str:
-    """What `resolve_kernel(kernel)` says, and under `auto` the probed calls that fell back to plain JAX:
-    'pallas, naive for chunk_kda(float32[1,16384,32,128], ...)'."""
+    """How the calls run under `kernel`: `execution(resolve_kernel(kernel))`, and under `auto` the probed
+    calls that fell back to plain JAX:
+    'pallas (mosaic, tpu), naive (xla, tpu) for chunk_kda(float32[1,16384,32,128], ...)'."""
     resolved = resolve_kernel(kernel)
     if requested_kernel(kernel) != "auto" or resolved != "pallas":
-        return resolved
+        return execution(resolved)
     fallbacks = [_describe(signature) for signature, failure in _probe_failures.items() if failure]
-    return resolved if not fallbacks else f"pallas, naive for {'; '.join(fallbacks)}"
+    if not fallbacks:
+        return execution("pallas")
+    return f"{execution('pallas')}, {execution('naive')} for {'; '.join(fallbacks)}"
 
 
 def _implementation(call: KernelCall, kernel: str | None) -> Callable:
@@ -259,6 +273,7 @@ __all__ = [
     "KernelCall",
     "chunk_kda",
     "decode_kda_slots",
+    "execution",
     "fused_recurrent_kda",
     "kernel_choice",
     "lower_pallas_kernel",

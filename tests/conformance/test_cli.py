@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -67,6 +68,54 @@ def test_run_writes_the_three_reports(good_run: tuple[Path, str]) -> None:
     assert main(["gate", str(reports / "report.json")]) == 0
 
 
+def test_the_reports_say_first_where_the_run_ran(good_run: tuple[Path, str]) -> None:
+    reports, stdout = good_run
+    platform = json.loads((reports / "report.json").read_text())["environment"]["platform"]
+    assert set(platform) >= {
+        "name",
+        "backend",
+        "device_kind",
+        "device_count",
+        "kernels",
+        "pallas_interpreted",
+    }
+    assert platform["kernels"] == {"fp32": "auto", "bf16": "auto"}  # the numpy adapter's kernel_used
+    first = f"platform: {platform['name']}, {platform['device_kind']} ×{platform['device_count']}"
+    # The verdict line first, then where the run ran and how its kernels ran.
+    summary = [line for line in stdout[stdout.index("KDA conformance") :].splitlines() if line]
+    assert summary[1].startswith("PASS: 80 checked, 4 skipped")
+    assert summary[2].startswith(first) and summary[3] == "kernels: auto (fp32, bf16)"
+    markdown = (reports / "report.md").read_text().splitlines()
+    assert markdown[2].startswith("**PASS**: 80 checked")
+    assert markdown[4].startswith(f"- {first}") and markdown[5] == "- kernels: auto (fp32, bf16)"
+
+
+def test_kda_conform_finds_an_adapter_in_the_current_folder(tmp_path: Path, synthetic_dumps: Path) -> None:
+    """As a console script runs it: `python -P`, the cwd not on sys.path; the module is found there."""
+    (tmp_path / "my_adapter.py").write_text("class Mine:\n    pass\n")
+    script = "import sys; from conformance.cli import main; sys.exit(main(sys.argv[1:]))"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-P",
+            "-c",
+            script,
+            "run",
+            "--dumps",
+            str(synthetic_dumps),
+            "--impl",
+            "my_adapter:Mine",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2
+    assert "'Mine' is not a subclass of conformance.adapter.KDAAdapter" in result.stderr, result.stderr
+
+
 def test_broken_implementation_fails_run_and_gate(
     synthetic_dumps: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -129,9 +178,10 @@ def test_gate_fails_where_an_error_grew_over_the_baseline(
 def test_usage_errors_are_one_line_and_exit_2(tmp_path: Path, synthetic_dumps: Path) -> None:
     result = _run("run", "--dumps", str(tmp_path / "missing"))
     assert result.returncode == 2
-    assert (
-        result.stderr.strip()
-        == f"error: {tmp_path / 'missing'}: no such dump set (the folder does not exist)"
+    assert result.stderr.strip() == (
+        f"error: {tmp_path / 'missing'}: no such dump set (the folder does not exist); "
+        "a dump set is made by `make golden` (golden/ of a checkout of this repository) or "
+        "`python -m dump_gen --out DIR`, or read from the gs:// URL it was written to"
     )
     result = _run("run", "--dumps", str(synthetic_dumps), "--impl", "no_such_module:Adapter")
     assert result.returncode == 2 and "no module named 'no_such_module'" in result.stderr

@@ -88,6 +88,15 @@ def test_auto_is_plain_jax_off_tpu_without_probing(monkeypatch, fresh_dispatcher
     assert kernels.resolve_kernel("pallas", call) == "pallas"  # forced: interpret mode here
 
 
+def test_kernel_choice_says_how_the_kernels_run(monkeypatch, fresh_dispatcher):
+    """Never a plain `pallas`: off a TPU Pallas runs in its interpreter, on a TPU compiled by Mosaic."""
+    monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)
+    assert kernels.kernel_choice("pallas") == "pallas (interpret, cpu)"
+    assert kernels.kernel_choice("naive") == kernels.kernel_choice("auto") == "naive (xla, cpu)"
+    monkeypatch.setattr(kernels, "pallas_is_native", lambda: True)  # a TPU, stood in for
+    assert kernels.kernel_choice("pallas") == kernels.kernel_choice("auto") == "pallas (mosaic, cpu)"
+
+
 def test_forced_pallas_matches_naive_through_the_dispatcher():
     inputs = random_kernel_inputs(np.random.default_rng(7), 20, dim=128)
     pallas_o, pallas_s = kernels.chunk_kda(**inputs, **NORMALISED, kernel="pallas")
@@ -146,7 +155,8 @@ def test_auto_probes_pallas_at_each_calls_shapes_once(monkeypatch, fresh_dispatc
     assert kernels.resolve_kernel("auto", large_call) == "naive"
     assert kernels.resolve_kernel("pallas", large_call) == "pallas"  # forcing still takes Pallas
     used = KDAAttnBackend(kernel=None).kernel_used
-    assert used.startswith("pallas, naive for chunk_kda(float32[1,64,2,32]") and "[1,16," not in used
+    assert used.startswith("pallas (mosaic, cpu), naive (xla, cpu) for chunk_kda(float32[1,64,2,32]")
+    assert "[1,16," not in used
     assert len(lowered) == 2
 
 

@@ -1,5 +1,6 @@
 """The Pallas KDA kernels (interpret mode on CPU) against the plain-JAX kernels and fla-core's torch
-references and the token recurrence, on seeded inputs (`$KDA_TEST_SEED`); and their lowering for TPU.
+references and the token recurrence, on seeded inputs (`$KDA_TEST_SEED`). Their lowering and compile
+for TPU: test_tpu_compile.py.
 
 Sizes stay small (H=2, D=128, the TPU-tile-friendly minimum of the last dim): compiling the interpreted
 kernels dominates the run time, so the tests share a few shapes.
@@ -7,12 +8,7 @@ kernels dominates the run time, so the tests share a few shapes.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +32,6 @@ NAIVE = {"chunk": naive.chunk_kda, "recurrent": naive.fused_recurrent_kda}
 # One packed batch for most tests (one compilation per kernel): short sequences, one token, a whole chunk,
 # partial last chunks, several chunks, and empty sequences first, in the middle and last.
 LENGTHS = [0, 5, 17, 1, 64, 0, 65, 41, 200, 0]
-LIBTPU_ENV = "KDA_LIBTPU_PATH"  # a directory holding the `libtpu` package (pip install --target DIR libtpu)
 
 
 @pytest.fixture
@@ -256,105 +251,3 @@ def test_gate_arguments_are_validated(rng):
         pallas.chunk_kda(**inputs, A_log=np.zeros(2, np.float32))
     with pytest.raises(ValueError, match="chunk_size must be a positive multiple of 16"):
         pallas.chunk_kda(**inputs, chunk_size=40)
-
-
-# --- lowering for TPU, without a TPU ----------------------------------------------------------------------
-
-
-def tpu_entry_points(
-    heads: int = 4, dim: int = 128, tokens: int = 256, seqs: int = 3, requests: int = 5, slots: int = 9
-):
-    """Each public kernel as `(name, jitted fn, abstract args)`, with packed batches and initial states."""
-    f32 = jnp.float32
-    sds = jax.ShapeDtypeStruct
-    tokens_in = [sds((1, tokens, heads, dim), f32)] * 4 + [sds((1, tokens, heads), f32)]
-    packed = [sds((seqs, heads, dim, dim), f32), sds((seqs + 1,), jnp.int32)]
-    decode_in = [sds((requests, heads, dim), f32)] * 4 + [sds((requests, heads), f32)]
-
-    def prefill(kernel, **kwargs):
-        def fn(q, k, v, g, beta, initial_state, cu_seqlens, *gate):
-            gate_kwargs = dict(zip(("A_log", "dt_bias"), gate))
-            return kernel(
-                q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, output_final_state=True,
-                interpret=False, **kwargs, **gate_kwargs,
-            )  # fmt: skip
-
-        return jax.jit(fn)
-
-    def decode(q, k, v, g, beta, state_buffer, slot_indices, layer_index):
-        return pallas.decode_kda_slots(
-            q, k, v, g, beta, state_buffer=state_buffer, slot_indices=slot_indices, layer_index=layer_index,
-            interpret=False,
-        )  # fmt: skip
-
-    gate = [sds((heads,), f32), sds((heads * dim,), f32)]
-    return [
-        ("chunk", prefill(pallas.chunk_kda, use_qk_l2norm_in_kernel=True), tokens_in + packed),
-        ("chunk+gate", prefill(pallas.chunk_kda, use_gate_in_kernel=True), tokens_in + packed + gate),
-        ("recurrent", prefill(pallas.fused_recurrent_kda), tokens_in + packed),
-        (
-            "decode",
-            jax.jit(decode, donate_argnums=5),
-            [
-                *decode_in,
-                sds((3, slots, heads, dim, dim), f32),
-                sds((requests,), jnp.int32),
-                sds((), jnp.int32),
-            ],
-        ),
-    ]
-
-
-@pytest.mark.parametrize("entry", range(4), ids=[name for name, *_ in tpu_entry_points()])
-def test_lowers_for_tpu(entry):
-    """Pallas → Mosaic lowering for TPU (`jax.export`, no TPU needed); decode aliases the pool in place."""
-    name, fn, args = tpu_entry_points()[entry]
-    module = jax.export.export(fn, platforms=["tpu"])(*args).mlir_module()
-    assert "tpu_custom_call" in module
-    if name == "decode":
-        assert "output_operand_aliases" in module  # the pool buffer is the kernel's output, in place
-
-
-def _libtpu_path() -> str | None:
-    if os.environ.get(LIBTPU_ENV):
-        return os.environ[LIBTPU_ENV]
-    spec = importlib.util.find_spec("libtpu")
-    return None if spec is None else os.path.dirname(os.path.dirname(spec.origin))
-
-
-@pytest.mark.skipif(
-    _libtpu_path() is None,
-    reason=f"needs libtpu (the TPU compiler) to compile for TPU without one: `pip install --target DIR "
-    f"'libtpu==0.0.42.*'` (the version jax[tpu] 0.10.2 pins), then set {LIBTPU_ENV}=DIR",
-)
-def test_compiles_for_tpu():
-    """The full Mosaic compile (layouts, VMEM budget) for TPU v5e and v6e, deviceless, in a subprocess so
-    that this process never loads the TPU plugin."""
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([_libtpu_path(), str(repo)])}
-    script = (
-        "import sys; from tests.kda_impl import test_pallas_kernels as t; t.compile_for_tpu(sys.argv[1:])"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script, "v5e:2x2", "v6e:2x2"],
-        cwd=repo,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.count("compiled") == 8, done.stdout
-
-
-def compile_for_tpu(topologies: list[str]) -> None:
-    """AOT-compile every entry point for each TPU topology on a machine without TPUs (needs libtpu)."""
-    from jax.experimental import topologies as tpu_topologies
-
-    for topology in topologies:
-        device = tpu_topologies.get_topology_desc(topology_name=topology, platform="tpu").devices[0]
-        sharding = jax.sharding.SingleDeviceSharding(device)
-        for name, fn, args in tpu_entry_points():
-            placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
-            fn.trace(*placed).lower().compile()
-            print(f"compiled {name} for {topology}")

@@ -267,8 +267,9 @@ class KDAAttnBackend(LinearRecurrentAttnBackend):
 
     @property
     def kernel_used(self) -> str:
-        """The implementation the kernels resolve to: 'naive' or 'pallas', and under `auto` the shapes at
-        which Pallas did not lower and plain JAX ran (`kda_impl.kernels.kernel_choice`)."""
+        """The implementation the kernels resolve to and how it runs, `naive (xla, cpu)`, `pallas (mosaic,
+        tpu)` or `pallas (interpret, cpu)`, and under `auto` the shapes at which Pallas did not lower and
+        plain JAX ran (`kda_impl.kernels.kernel_choice`)."""
         return kernel_choice(self.kernel)
 
     def _static_config(self) -> tuple[Any, ...]:
