@@ -25,7 +25,6 @@ from conformance.checks import KERNEL_INPUTS, CheckRunner, CheckSkipped, CheckSp
 from conformance.metrics import Comparison
 from conformance.reader import CaseData
 from conformance.report import format_text_table
-from conformance.truth import layer_kernel_truth
 from kda_spec import dump_format as fmt
 
 # (stage, result shown, check whose computation and tolerance it uses)
@@ -83,7 +82,7 @@ def run_stages(runner: CheckRunner, case_id: str, dtype: str) -> list[StageResul
             truth = None
             if check is None:
                 row.actual, row.expected, row.axes, check = _kernel_on_layer_inputs(runner, case, dtype)
-                truth = functools.partial(_layer_kernel_truth, case, dtype)
+                truth = functools.partial(runner.layer_kernel_truth, case, dtype)
                 positions = {}
             else:
                 row.actual, row.expected, row.axes, positions = runner.pair(
@@ -113,10 +112,6 @@ def _kernel_on_layer_inputs(
     o, _ = runner.run_kernel(case, dtype, path, stages)
     check = "kernel-chunk" if path == "chunk" else "kernel-recurrent"
     return o, reference, ("token", "head", "channel"), check
-
-
-def _layer_kernel_truth(case: CaseData, dtype: str) -> tuple[np.ndarray, str]:
-    return layer_kernel_truth(case, dtype), "float64 recurrence on the truth's q, k, v, g, beta"
 
 
 def _out(row: StageResult) -> bool:

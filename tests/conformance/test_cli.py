@@ -96,11 +96,13 @@ def test_gate_fails_where_an_error_grew_over_the_baseline(
     report = json.loads((good_run[0] / "report.json").read_text())
     baseline = json.loads(json.dumps(report))
     check = next(c for c in report["checks"] if c["id"] == "T8-fp32-decode-k8")
-    # The gate recomputes the ratio to the limit from the recorded margin (and nRMSE where gated).
+    # The gate recomputes the ratio to the limit from the recorded margin (and nRMSE where gated); with
+    # no truth recorded, from those alone (the absolute gate decides).
+    no_truth = {"available": False, "reason": "test"}
     next(c for c in baseline["checks"] if c["id"] == check["id"])["metrics"].update(
-        margin=0.01, gate_ratio=0.01
+        margin=0.01, gate_ratio=0.01, truth=no_truth
     )
-    check["metrics"].update(margin=0.5, gate_ratio=0.5)
+    check["metrics"].update(margin=0.5, gate_ratio=0.5, truth=no_truth)
     skipped = next(c for c in report["checks"] if c["id"] == "T8-bf16-layer")
     skipped.update(status="skipped", message="adapter lost its bf16 path")
     (tmp_path / "new.json").write_text(json.dumps(report))
