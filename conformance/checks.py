@@ -55,6 +55,8 @@ from conformance.truth import (
     NoTruth,
     computed_contract_model,
     computed_layer_truth,
+    layer_kernel_truth,
+    not_computed,
     recurrence_fp64,
     stored_truth,
 )
@@ -321,7 +323,7 @@ class CheckRunner:
             lambda: computed_contract_model(case, self.weights(), self.dumps.config),
         )
         if name not in models:
-            raise NoTruth(f"the precision contract's model of a case this long has no {name!r}")
+            raise not_computed(case, name, "the precision contract's model")
         if "token" in positions:
             return models[name][positions["token"]], len(positions["token"])
         return models[name], case.info.total_tokens  # the states: every token of the case went into them
@@ -336,7 +338,7 @@ class CheckRunner:
             actual = np.asarray(self.layer(case, dtype).out)
         expected = self._expected(case, "out", dtype)
         try:
-            truth = stored_truth(case, "out", dtype)
+            truth, source = self.layer_truth(case, "out", dtype)
         except NoTruth as missing:
             raise CheckSkipped(f"{missing}: the error by position is measured against it") from None
         tolerance = self.policy.tolerance(spec.check, dtype)
@@ -357,7 +359,7 @@ class CheckRunner:
             decode_from=case.info.total_tokens - decode_steps if spec.check == DECODE_POSITIONS else None,
         )
         self.position_profiles[spec.id] = profile
-        return judge_by_windows(measured, profile, f"dump: {fmt.truth_key('out', dtype)}")
+        return judge_by_windows(measured, profile, source)
 
     def truth(self, case: CaseData, spec: CheckSpec, positions: dict) -> tuple[np.ndarray, str]:
         """The check's float64 truth and where it comes from; `NoTruth` when there is none."""
@@ -373,19 +375,28 @@ class CheckRunner:
         return value, source
 
     def layer_truth(self, case: CaseData, name: str, dtype: str) -> tuple[np.ndarray, str]:
-        """The float64 truth of layer result `name` and its source: the dump's stored one, else, in a set
-        made under the truth contract, the one computed here from the dump's inputs and weights
-        (`conformance.truth.computed_layer_truth`); `NoTruth` otherwise."""
+        """The float64 truth of layer result `name` and its source: the dump's stored one, else the one
+        computed here from the dump's inputs and weights, whatever wrote the set
+        (`conformance.truth.computed_layer_truth`); `NoTruth` where that computation has no `name`."""
         try:
             return stored_truth(case, name, dtype), f"dump: {fmt.truth_key(name, dtype)}"
         except NoTruth:
-            if not self.dumps.has_truth:  # made before the truth contract: its runs' inputs are not pinned
-                raise
+            pass
 
         def compute() -> dict[str, np.ndarray]:
             return computed_layer_truth(case, dtype, self.weights(), self.dumps.config)
 
-        return self._memoized(("layer-truth", dtype), compute)[name], COMPUTED_LAYER_TRUTH_SOURCE
+        computed = self._memoized(("layer-truth", dtype), compute)
+        if name not in computed:
+            raise not_computed(case, name, "the truth computed here")
+        return computed[name], COMPUTED_LAYER_TRUTH_SOURCE
+
+    def layer_kernel_truth(self, case: CaseData, dtype: str) -> tuple[np.ndarray, str]:
+        """The truth of the kernel output inside the layer (`o_kda`) and its source: the float64
+        recurrence on the truths (`layer_truth`) of the layer's q, k, v, g, beta."""
+        inputs = (self.layer_truth(case, name, dtype)[0] for name in KERNEL_INPUTS)
+        o = layer_kernel_truth(*inputs, case.cu_seqlens, case.initial_state)
+        return o, "float64 recurrence on the truth's q, k, v, g, beta"
 
     def kernel_truth(self, case: CaseData, dtype: str) -> tuple[np.ndarray, np.ndarray]:
         """The float64 recurrence on the dumped kernel inputs of the `dtype` run (q, k l2-normalised in

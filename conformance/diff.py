@@ -32,7 +32,6 @@ from conformance.metrics import Comparison
 from conformance.reader import CaseData
 from conformance.report import format_text_table
 from conformance.tolerances import CONTRACT_MODE
-from conformance.truth import layer_kernel_truth
 from kda_spec import dump_format as fmt
 
 LAYER_KERNEL_RERUN = "o_kda (the kernel on the layer's inputs)"
@@ -98,7 +97,7 @@ def run_stages(runner: CheckRunner, case_id: str, dtype: str) -> list[StageResul
                 row.actual, row.expected, row.axes, check, row.result = _kernel_on_layer_inputs(
                     runner, case, dtype
                 )
-                truth = functools.partial(_layer_kernel_truth, case, dtype)
+                truth = functools.partial(runner.layer_kernel_truth, case, dtype)
                 positions = {}
             else:
                 row.actual, row.expected, row.axes, positions = runner.pair(
@@ -150,10 +149,6 @@ def _kernel_on_layer_inputs(
         raise CheckSkipped(f"the adapter returns no 'o_kda' and does not expose {missing}")
     o, _ = runner.run_kernel(case, dtype, path, stages)
     return o, reference, axes, check, LAYER_KERNEL_RERUN
-
-
-def _layer_kernel_truth(case: CaseData, dtype: str) -> tuple[np.ndarray, str]:
-    return layer_kernel_truth(case, dtype), "float64 recurrence on the truth's q, k, v, g, beta"
 
 
 def _out(row: StageResult) -> bool:

@@ -124,9 +124,6 @@ class DumpSet:
         self.config = _parse_config(manifest.get("config"), where)
         self.weights_file, self.weights_sha256 = _parse_weights_block(manifest.get("weights"), where)
         self.cases: dict[str, CaseInfo] = _parse_cases(manifest, where)
-        # A `truth` block says the set was made under the float64-truth contract (docs/dump-format.md):
-        # the checker may then compute the truth the set left out for size (conformance/truth.py).
-        self.has_truth = isinstance(manifest.get("truth"), dict)
 
     # ------------------------------------------------------------------------------------------- files
 

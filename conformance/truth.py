@@ -4,18 +4,18 @@ docs/tolerance-policy.md, "Judged against the float64 truth", says how.
 
 Layer results (the output, the final recurrent state, the intermediates) have their truth stored in
 the dump by an independent float64 implementation of the layer: `<name>_fp64` for the fp32 run,
-`<name>_bf16_fp64` for the bf16 run (`dump_format.truth_key`). A dump stores the intermediates' truth
-only for its shorter cases (golden/: up to 65 tokens, to stay small); for the others the checker runs
-the same implementation (`kda_spec.truth.layer_truth`) on the dump's own hidden states and weights,
-rounded as that run rounded them: a pure function of data already in the dump. The kernels' truth is
-not stored either: it is a pure function of the dumped kernel inputs, computed here by a float64 recurrence
-(kda-layer.md step 6) on exactly the l2-normalised q, k, and the v, g, beta the kernel under test
-gets.
+`<name>_bf16_fp64` for the bf16 run (`dump_format.truth_key`). Where a dump does not store it (a set
+written by another tool or before the truth keys, or a case whose intermediates' truth was left out
+for size) the checker runs the same implementation (`kda_spec.truth`) on the dump's own hidden states
+and weights, rounded as that run rounded them: a pure function of data every dump carries. The kernels'
+truth is not stored either: it is a pure function of the dumped kernel inputs, computed here by a
+float64 recurrence (kda-layer.md step 6) on exactly the l2-normalised q, k, and the v, g, beta the
+kernel under test gets.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -49,11 +49,12 @@ FP32_STAGES = ("g", "beta", "recurrent_state")
 
 
 class NoTruth(Exception):
-    """A check whose truth the dump does not carry; the message says which key is missing."""
+    """A check without a float64 truth, neither stored nor computed here; the message says why."""
 
 
 def stored_truth(case: CaseData, name: str, dtype: str) -> np.ndarray:
-    """The float64 truth of result `name` in the `dtype` run; `NoTruth` when the dump has none."""
+    """The float64 truth of result `name` in the `dtype` run stored in the dump; `NoTruth` naming the key
+    when it has none."""
     key = fmt.truth_key(name, dtype)
     value = case.arrays.get(key)
     if value is None:
@@ -64,22 +65,10 @@ def stored_truth(case: CaseData, name: str, dtype: str) -> np.ndarray:
 def computed_layer_truth(
     case: CaseData, dtype: str, weights: Mapping[str, np.ndarray], config: KDAConfig
 ) -> dict[str, np.ndarray]:
-    """The float64 truth of every layer result of the `dtype` run of `case`, by result name, computed from
-    the dump's hidden states and float32 `weights` as dump_gen computes the stored one; `NoTruth` for a
-    case longer than `COMPUTE_MAX_TOKENS`."""
-    tokens = case.info.total_tokens
-    if tokens > COMPUTE_MAX_TOKENS:
-        raise NoTruth(
-            f"no truth in the dump for this result, and the case has {tokens} tokens, more than the "
-            f"{COMPUTE_MAX_TOKENS} the checker computes the layer's truth for"
-        )
-    return layer_truth(
-        run_weights(weights, dtype),
-        run_hidden_states(case.hidden_states, dtype),
-        case.cu_seqlens,
-        case.initial_state,
-        config,
-    )
+    """The float64 truth of the layer results of the `dtype` run of `case`, by result name, computed from
+    the dump's hidden states and float32 `weights` as dump_gen computes the stored one (`_computed_layer`
+    says which results)."""
+    return _computed_layer(case, dtype, weights, config, None)
 
 
 def computed_contract_model(
@@ -88,18 +77,39 @@ def computed_contract_model(
     """The bf16 precision contract's float64 model of the layer results of the bf16 run of `case`, by
     result name: the layer in float64 rounding to bf16 exactly at the contract's points
     (`kda_spec.truth._layer`), on the dump's hidden states and float32 `weights` as the bf16 run sees
-    them. Every result for a case of up to `COMPUTE_MAX_TOKENS` tokens; for a longer one (the `long`
-    group) `out` and `recurrent_state` only, computed block by block as the long cases' truth is."""
+    them (`_computed_layer` says which results)."""
+    return _computed_layer(case, "bf16", weights, config, bf16_contract_rounding)
+
+
+def _computed_layer(
+    case: CaseData,
+    dtype: str,
+    weights: Mapping[str, np.ndarray],
+    config: KDAConfig,
+    rounded: Callable[[np.ndarray], np.ndarray] | None,
+) -> dict[str, np.ndarray]:
+    """`kda_spec.truth`'s layer on the `dtype` run's inputs of `case` (`rounded` as there): every result
+    for a case of up to `COMPUTE_MAX_TOKENS` tokens; for a longer one (the `long` group) `out` and
+    `recurrent_state` only, computed block by block (`layer_output_truth`), as dump_gen computes the long
+    cases' stored truth."""
     args = (
-        run_weights(weights, "bf16"),
-        run_hidden_states(case.hidden_states, "bf16"),
+        run_weights(weights, dtype),
+        run_hidden_states(case.hidden_states, dtype),
         case.cu_seqlens,
         case.initial_state,
         config,
     )
     if case.info.total_tokens > COMPUTE_MAX_TOKENS:
-        return layer_output_truth(*args, rounded=bf16_contract_rounding)
-    return layer_truth(*args, rounded=bf16_contract_rounding)
+        return layer_output_truth(*args, rounded=rounded)
+    return layer_truth(*args, rounded=rounded)
+
+
+def not_computed(case: CaseData, name: str, what: str) -> NoTruth:
+    """The `NoTruth` of a result `name` that `_computed_layer` leaves out of `what` for a long `case`."""
+    return NoTruth(
+        f"{what} of a case of {case.info.total_tokens} tokens (over the {COMPUTE_MAX_TOKENS} the checker "
+        f"computes every result for) has no {name!r}: only 'out' and 'recurrent_state'"
+    )
 
 
 def recurrence_fp64(
@@ -122,11 +132,16 @@ def recurrence_fp64(
     return packed_delta_rule(q, k, v, g, beta, cu_seqlens, state)
 
 
-def layer_kernel_truth(case: CaseData, dtype: str) -> np.ndarray:
-    """The truth of the kernel output inside the layer (`o_kda`): the float64 recurrence on the
-    stored truths of q, k (l2-normalised in float64), v, g and beta; `NoTruth` when one is missing."""
-    q, k, v, g, beta = (stored_truth(case, name, dtype) for name in KERNEL_INPUTS)
-    o, _ = recurrence_fp64(
-        l2_normalised(q), l2_normalised(k), v, g, beta, case.cu_seqlens, case.initial_state
-    )
+def layer_kernel_truth(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    g: np.ndarray,
+    beta: np.ndarray,
+    cu_seqlens: np.ndarray,
+    initial_state: np.ndarray | None,
+) -> np.ndarray:
+    """The truth of the kernel output inside the layer (`o_kda`): the float64 recurrence on the truths of
+    the layer's q, k (l2-normalised in float64), v, g [T, H, D] and beta [T, H]."""
+    o, _ = recurrence_fp64(l2_normalised(q), l2_normalised(k), v, g, beta, cu_seqlens, initial_state)
     return o

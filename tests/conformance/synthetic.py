@@ -48,9 +48,10 @@ def case_arrays(
     dtypes: tuple[str, ...],
     intermediates: bool,
     truth: bool = False,
+    hidden_std: float = 1.0,
 ) -> dict[str, np.ndarray]:
     tokens, num_seqs = spec.total_tokens, len(spec.seq_lens)
-    x = rng.normal(0, 1, (tokens, config.hidden_size)).astype(np.float32)
+    x = rng.normal(0, hidden_std, (tokens, config.hidden_size)).astype(np.float32)
     cu = np.concatenate([[0], np.cumsum(spec.seq_lens)]).astype(np.int32)
     arrays = {"hidden_states": x, "cu_seqlens": cu}
     init = None
@@ -86,23 +87,25 @@ def case_arrays(
 
 def write_dump_set(
     root: Path,
-    cases: tuple[str, ...],
+    cases: tuple[str | fmt.CaseSpec, ...],
     *,
     config: KDAConfig = TINY,
     seed: int = 0,
     dtypes: tuple[str, ...] = fmt.DTYPES,
     intermediates: bool = True,
     truth: bool = False,
+    hidden_std: float = 1.0,
 ) -> Path:
-    """Write a v1 dump set of the standard `cases` under `root`, computed by the numpy reference;
-    with `truth`, the float64 truth of the output, final states and intermediates of every run too."""
+    """Write a v1 dump set of `cases` (standard case ids, or specs of cases of one's own) under `root`,
+    computed by the numpy reference, the hidden states normal with `hidden_std`; with `truth`, the float64
+    truth of the output, final states and intermediates of every run too."""
     root = Path(root)
     (root / fmt.CASES_DIR).mkdir(parents=True, exist_ok=True)
     weights = tiny_weights(config, seed)
     manifest_cases = []
     rng = np.random.default_rng(seed)
-    for spec in fmt.select_cases(list(cases)):
-        arrays = case_arrays(spec, config, weights, rng, dtypes, intermediates, truth)
+    for spec in _specs(cases):
+        arrays = case_arrays(spec, config, weights, rng, dtypes, intermediates, truth, hidden_std)
         manifest_cases.append(
             {
                 "id": spec.case_id,
@@ -137,6 +140,14 @@ def write_dump_set(
         }
     (root / fmt.MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
     return root
+
+
+def _specs(cases: tuple[str | fmt.CaseSpec, ...]) -> list[fmt.CaseSpec]:
+    """The specs of `cases` in order: a spec itself, an id (or group name) as `fmt.select_cases` has it."""
+    specs: list[fmt.CaseSpec] = []
+    for case in cases:
+        specs.extend([case] if isinstance(case, fmt.CaseSpec) else fmt.select_cases([case]))
+    return specs
 
 
 def _write_npz(path: Path, arrays: dict[str, np.ndarray]) -> str:

@@ -16,7 +16,7 @@ from conformance.metrics import Attribution, TruthError
 from conformance.reader import DumpError, DumpSet
 from conformance.report import Record, build_report, markdown, terminal_lines
 from conformance.tolerances import RelativeLimits, TolerancePolicy
-from conformance.truth import recurrence_fp64
+from conformance.truth import COMPUTED_LAYER_TRUTH_SOURCE, recurrence_fp64
 from kda_spec import dump_format as fmt
 from tests.conformance.numpy_adapter import NumpyAdapter, recurrent_kda
 from tests.conformance.synthetic import write_dump_set
@@ -153,15 +153,33 @@ def test_the_truth_compares_the_dumped_kernel_inputs_not_the_layer_ones(truth_du
                 assert attribution.reference.margin < 0.2, (case, dtype, check)
 
 
-def test_a_set_without_truth_says_so_and_judges_by_the_absolute_gate(plain_dumps: Path) -> None:
-    comparisons = _comparisons(plain_dumps)
-    layer = comparisons["T65-fp32-layer"]
-    assert layer.attribution is None and layer.verdict == "n/a"
-    assert layer.no_truth == "no truth in the dump ('out_fp64')"
-    assert layer.judged_by == "absolute"
-    # Kernel checks compute their truth themselves: it needs no truth key.
-    assert comparisons["T65-bf16-kernel-recurrent-state"].attribution is not None
-    assert layer.as_dict()["truth"] == {"available": False, "reason": "no truth in the dump ('out_fp64')"}
+def test_a_set_without_truth_is_judged_against_the_truth_computed_here(
+    truth_dumps: Path, plain_dumps: Path
+) -> None:
+    """A set that stores no truth gets the verdicts it would get with one: the checker computes the
+    truth from its weights and hidden states, the same numbers as the stored one."""
+    plain, stored = _comparisons(plain_dumps), _comparisons(truth_dumps)
+    layer = plain["T65-fp32-layer"]
+    assert layer.attribution.source == COMPUTED_LAYER_TRUTH_SOURCE
+    assert layer.judged_by == "absolute+relative"
+    for check_id, comparison in plain.items():
+        with_truth = stored[check_id]
+        assert (comparison.verdict, comparison.passed) == (with_truth.verdict, with_truth.passed), check_id
+        assert comparison.attribution.impl.nrmse == pytest.approx(with_truth.attribution.impl.nrmse, rel=1e-9)
+
+
+def test_a_check_without_a_truth_says_why_and_judges_by_the_absolute_gate(
+    plain_dumps: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An intermediate of a case longer than the checker computes every result for has no truth."""
+    monkeypatch.setattr("conformance.truth.COMPUTE_MAX_TOKENS", 64)
+    o_norm = _runner(plain_dumps).run(CheckSpec("T65", "fp32", "o_norm"))
+    assert o_norm.attribution is None and o_norm.verdict == "n/a" and o_norm.judged_by == "absolute"
+    reason = (
+        "the truth computed here of a case of 65 tokens (over the 64 the checker computes every result "
+        "for) has no 'o_norm': only 'out' and 'recurrent_state'"
+    )
+    assert o_norm.as_dict()["truth"] == {"available": False, "reason": reason}
 
 
 # ------------------------------------------------------------------------------------ the verdicts
@@ -218,8 +236,8 @@ def test_report_json_and_md_carry_the_attribution(truth_dumps: Path, plain_dumps
     assert "## Attribution against the float64 truth" in text
     assert "| conditioning |" in text and "42 conditioning" in text
     assert "attribution against the float64 truth: 42 conditioning" in terminal_lines(report)
-    plain = markdown(_report(plain_dumps))
-    assert "n/a (no truth in the dump ('o_norm_fp64'))" in plain
+    plain = markdown(_report(plain_dumps))  # the truth computed here: the same verdicts
+    assert "42 conditioning" in plain and "n/a (" not in plain
 
 
 def test_diff_shows_three_ways_and_where_the_implementation_leaves_the_reference(
@@ -239,5 +257,4 @@ def test_diff_shows_three_ways_and_where_the_implementation_leaves_the_reference
         capsys.readouterr().out
     )
     assert main(["diff", "--dumps", str(plain_dumps), "--case", "T65", "--impl", NUMPY]) == 0
-    out = capsys.readouterr().out
-    assert "n/a" in out and "no stage has a float64 truth" not in out  # the kernels' own truth
+    assert "at every stage with a truth (16 of 16)" in capsys.readouterr().out  # computed here

@@ -146,9 +146,14 @@ def test_gate_fails_where_an_error_grew_over_the_baseline(
     report = json.loads((good_run[0] / "report.json").read_text())
     baseline = json.loads(json.dumps(report))
     check = next(c for c in report["checks"] if c["id"] == "T8-fp32-decode-k8")
-    # The gate recomputes the ratio to the limit from the recorded criteria (here: the margin).
-    criterion(next(c for c in baseline["checks"] if c["id"] == check["id"]), "margin").update(value=0.01)
-    criterion(check, "margin").update(value=0.5)
+    # The gate recomputes the ratio to the limit from the recorded criteria; with no truth recorded, from
+    # the absolute ones alone (here: the margin).
+    old = next(c for c in baseline["checks"] if c["id"] == check["id"])
+    for record, margin in ((old, 0.01), (check, 0.5)):
+        metrics = record["metrics"]
+        metrics.update(truth={"available": False, "reason": "test"}, gate_ratio=margin)
+        metrics["criteria"] = [c for c in metrics["criteria"] if c["gate"] != "relative"]
+        criterion(record, "margin").update(value=margin)
     skipped = next(c for c in report["checks"] if c["id"] == "T8-bf16-layer")
     skipped.update(status="skipped", message="adapter lost its bf16 path")
     (tmp_path / "new.json").write_text(json.dumps(report))

@@ -11,11 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conformance import truth
 from conformance.checks import CheckRunner, CheckSpec, plan
 from conformance.cli import main
 from conformance.positions import position_profile, window_bounds
 from conformance.reader import DumpError, DumpSet
 from conformance.tolerances import RelativeLimits, Tolerance, TolerancePolicy
+from conformance.truth import COMPUTED_LAYER_TRUTH_SOURCE
 from kda_spec import dump_format as fmt
 from tests.conformance.numpy_adapter import NumpyAdapter
 from tests.conformance.synthetic import write_dump_set
@@ -24,11 +26,10 @@ NUMPY = "tests.conformance.numpy_adapter:NumpyAdapter"
 DRIFT_FROM = 768  # the drifting adapter's output leaves the reference from this token on
 
 
-@pytest.fixture(scope="module")
-def long_dumps(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """T1024 with its float64 truth, listed twice as a long case: a prefill, and a prefill of 768
-    tokens then 256 decode steps (the manifest fields dump_gen writes for the `long` group)."""
-    root = write_dump_set(tmp_path_factory.mktemp("long"), ("T1024",), truth=True, intermediates=False)
+def long_set(root: Path, truth: bool) -> Path:
+    """T1024 (with its float64 truth where `truth`), listed twice as a long case: a prefill, and a prefill
+    of 768 tokens then 256 decode steps (the manifest fields dump_gen writes for the `long` group)."""
+    root = write_dump_set(root, ("T1024",), truth=truth, intermediates=False)
     manifest = json.loads((root / "manifest.json").read_text())
     prefill = {**manifest["cases"][0], "id": "long_T1024", "group": "long"}
     decode = {**prefill, "id": "long_prefill768_decode256", "decode_steps": 256}
@@ -38,6 +39,11 @@ def long_dumps(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.copyfile(root / fmt.case_file("T1024"), root / case["file"])
     (root / "manifest.json").write_text(json.dumps(manifest))
     return root
+
+
+@pytest.fixture(scope="module")
+def long_dumps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return long_set(tmp_path_factory.mktemp("long"), truth=True)
 
 
 class LateDrift(NumpyAdapter):
@@ -117,6 +123,22 @@ def test_late_drift_fails_only_the_windows_it_reaches(long_dumps: Path, case_id:
 
     faithful = CheckRunner(DumpSet(str(long_dumps)), NumpyAdapter, "auto", TolerancePolicy.load())
     assert faithful.run(spec).passed
+
+
+def test_a_long_set_without_truth_is_judged_by_position_against_the_computed_truth(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long case whose set stores no truth: the checker computes the output's truth 1024 tokens at a
+    time (here over a bound lowered to 512 tokens, so that T1024 takes that path), and the drift fails
+    the same windows as against the stored truth."""
+    monkeypatch.setattr(truth, "COMPUTE_MAX_TOKENS", 512)
+    runner = CheckRunner(
+        DumpSet(str(long_set(tmp_path, truth=False))), LateDrift, "auto", TolerancePolicy.load()
+    )
+    spec = CheckSpec("long_T1024", "fp32", "layer-positions")
+    comparison = runner.run(spec)
+    assert [w.passed for w in runner.position_profiles[spec.id].windows] == [True, True, True, False]
+    assert comparison.attribution.source.startswith(COMPUTED_LAYER_TRUTH_SOURCE)
 
 
 def test_run_writes_the_curves_beside_the_report(long_dumps: Path, tmp_path: Path) -> None:
