@@ -284,12 +284,17 @@ def headline(report: dict[str, Any]) -> str:
 
 def _bad_check_lines(report: dict[str, Any]) -> list[str]:
     """The checks that failed or errored, those sharing one message on one line, at most
-    `_BAD_LINES_SHOWN` lines."""
+    `_BAD_LINES_SHOWN` lines; those an implementation fault failed in one line (the faults are listed
+    once each above)."""
+    faulted = {check_id for fault in report["faults"] for check_id in fault["checks"]}
     groups: dict[tuple[str, str], list[str]] = {}
     for check in report["checks"]:
-        if check["status"] in ("failed", "error"):
+        if check["status"] in ("failed", "error") and check["id"] not in faulted:
             groups.setdefault((check["status"], check["message"]), []).append(check["id"])
     lines = []
+    if faulted:
+        faults = len(report["faults"])
+        lines.append(f"ERROR {len(faulted)} checks: the {_count(faults, 'implementation fault')} above")
     for (status, message), ids in list(groups.items())[:_BAD_LINES_SHOWN]:
         if len(ids) == 1:
             lines.append(f"{status.upper()} {ids[0]}: {message}")
