@@ -116,13 +116,15 @@ def run_search(options: SearchOptions, console: Console | None = None) -> int:
         "seed": options.seed,
         "budget_s": options.budget_s,
         "seconds": exploration.seconds,
-        "cases_per_minute": 60 * exploration.cases / exploration.seconds,
+        "drawing_s": exploration.drawing_s,
+        "cases_per_minute": 60 * exploration.cases / exploration.drawing_s,
         "tally": tally.as_dict(),
         "finding": None,
     }
     summary = (
-        f"search: {exploration.cases} cases in {exploration.seconds:.0f} s "
-        f"({report['cases_per_minute']:.0f}/min), {tally.shrink_cases} more while shrinking"
+        f"search: {exploration.cases} cases in {exploration.drawing_s:.0f} s "
+        f"({report['cases_per_minute']:.0f}/min), {tally.shrink_cases} more while shrinking; "
+        f"{exploration.seconds:.0f} s in all"
     )
     if exploration.finding is None:
         console.print(f"{summary}; nothing flagged (worst ratio {tally.worst_ratio:.3g})")
@@ -158,7 +160,8 @@ def _found(options: SearchOptions, judge: Judge, exploration: Exploration, conso
         f"{len(finding.case.seq_lens)} sequence(s); {finding.shrink_cases} cases in {finding.shrink_s:.0f} s)"
     )
     for r in replayed:
-        console.print(f"  replay by the suite: {r.check} {'holds' if r.passed else 'FAILS'}: {r.summary}")
+        outcome = "holds" if r.passed else f"FAILS, verdict {r.verdict}"
+        console.print(f"  replay by the suite: {r.check} {outcome}: {r.summary}")
     if dirty:
         console.print(
             f"  [yellow]the built-in kda_impl fails {[r.check for r in dirty]} of the reproducer too[/]"

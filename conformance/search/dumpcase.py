@@ -55,6 +55,23 @@ def _stored(array: np.ndarray, name: str, dtype: str) -> np.ndarray:
     return np.asarray(array, np.float32)
 
 
+def plain_pipeline(
+    hidden_states: np.ndarray,
+    inputs: CaseInputs,
+    weights: Mapping[str, np.ndarray],
+    config: KDAConfig,
+    dtype: str,
+) -> dict[str, np.ndarray]:
+    """The plain fp32 pipeline's layer results by dump name on `hidden_states` [T, hidden] (the case's, or
+    others) with the case's offsets and initial states; the bf16 run's rounding as the precision contract
+    rounds."""
+    rounded = bf16_contract_rounding if dtype == "bf16" else None
+    x = run_hidden_states(hidden_states, dtype)
+    return layer_truth(
+        run_weights(weights, dtype), x, inputs.cu_seqlens, inputs.initial_state, config, np.float32, rounded
+    )
+
+
 def case_arrays(
     inputs: CaseInputs, weights: Mapping[str, np.ndarray], config: KDAConfig, dtype: str
 ) -> dict[str, np.ndarray]:
@@ -62,8 +79,7 @@ def case_arrays(
     (the reference) and their float64 truth. `weights` float32 by HF name."""
     run_w, x = run_weights(weights, dtype), run_hidden_states(inputs.hidden_states, dtype)
     cu, init = inputs.cu_seqlens, inputs.initial_state
-    rounded = bf16_contract_rounding if dtype == "bf16" else None
-    reference = layer_truth(run_w, x, cu, init, config, dtype=np.float32, rounded=rounded)
+    reference = plain_pipeline(inputs.hidden_states, inputs, weights, config, dtype)
     truth = layer_truth(run_w, x, cu, init, config)
     arrays: dict[str, np.ndarray] = {"hidden_states": inputs.hidden_states, "cu_seqlens": cu}
     if init is not None:

@@ -55,6 +55,11 @@ class Exploration:
     seconds: float
     finding: Finding | None
 
+    @property
+    def drawing_s(self) -> float:
+        """The seconds spent drawing and judging, before any shrinking."""
+        return self.seconds if self.finding is None else self.finding.found_s
+
 
 def explore(
     judge: Callable[[SearchCase], CaseVerdict],
