@@ -110,6 +110,7 @@ bench: $(VENV)/.full-$(PLATFORM)
 	$(PY) -m benchmarks.bench_kernels
 	$(PY) -m benchmarks.bench_decode
 	$(PY) -m benchmarks.bench_layer
+	$(PY) -m benchmarks.bench_search
 
 # On a GPU machine, with the machine's own python (torch, JAX, triton) and the wheels in .whl/; here:
 # make device-check DEVICE_CHECK_ARGS=--cpu-smoke PYTHON=.venv/bin/python

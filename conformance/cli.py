@@ -1,8 +1,8 @@
-"""`python -m conformance {run,gate,diff,verify,power}` (docs/cli.md).
+"""`python -m conformance {run,gate,diff,verify,power,search}` (docs/cli.md).
 
-Exit codes: 0 all holds; 1 a check or stage out of tolerance, or a gate breach; 2 a usage error, an
-unreadable or broken dump set or report, an interrupted or incomplete run; 3 the implementation under
-test raised, timed out or broke the adapter contract.
+Exit codes: 0 all holds; 1 a check or stage out of tolerance, a gate breach, or a search's finding; 2 a
+usage error, an unreadable or broken dump set or report, an interrupted or incomplete run; 3 the
+implementation under test raised, timed out or broke the adapter contract.
 """
 
 from __future__ import annotations
@@ -122,6 +122,26 @@ def build_parser() -> argparse.ArgumentParser:
     power.add_argument("--kernel", default="auto", choices=KERNELS, help="kernel of the implementation")
     power.add_argument("--tolerances", default=str(DEFAULT_POLICY_FILE), help="tolerance policy file")
     power.add_argument("--report-dir", default="reports", metavar="DIR")
+
+    search = commands.add_parser(
+        "search", help="generate cases until one fails, shrink it, write it as a dump set"
+    )
+    weights = search.add_mutually_exclusive_group()
+    weights.add_argument("--dumps", metavar="DIR_OR_URL", help="the config and weights of this dump set")
+    weights.add_argument(
+        "--preset", default="mini", help="else this preset's synthetic weights (default mini)"
+    )
+    _add_impl_options(search)
+    search.add_argument("--dtypes", default="fp32", help="comma-separated subset of fp32,bf16 (default fp32)")
+    search.add_argument("--budget", type=float, default=600.0, metavar="SECONDS", help="time to search (600)")
+    search.add_argument("--seed", type=int, default=0, help="the draws' seed (and the synthetic weights')")
+    search.add_argument(
+        "--out", required=True, metavar="DIR", help="search.json and the reproducer/ dump set"
+    )
+    search.add_argument("--max-tokens", type=int, default=512, help="tokens per case at most (512)")
+    search.add_argument("--max-seqs", type=int, default=6, help="sequences per case at most (6)")
+    search.add_argument("--shrink-budget", type=float, default=300.0, metavar="SECONDS", help="(300)")
+    search.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
@@ -362,7 +382,46 @@ def cmd_power(args: argparse.Namespace) -> int:
     return EXIT_FAIL if missed else EXIT_OK
 
 
-COMMANDS = {"run": cmd_run, "gate": cmd_gate, "diff": cmd_diff, "verify": cmd_verify, "power": cmd_power}
+def cmd_search(args: argparse.Namespace) -> int:
+    from conformance.search.command import SearchOptions, run_search
+    from conformance.suite.session import parse_dtypes
+
+    adapter_class, options = _adapter(args)
+    try:
+        dtypes = tuple(parse_dtypes(args.dtypes))
+        for flag in ("budget", "shrink_budget", "max_tokens", "max_seqs"):
+            if not getattr(args, flag) > 0:
+                raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+        if args.dumps is None:
+            from kda_spec.config import get_preset
+
+            get_preset(args.preset)
+        else:
+            _open_verified(args.dumps)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    enable_compile_cache()
+    search = SearchOptions(
+        impl=args.impl, adapter_class=adapter_class, options=options, kernel=args.kernel,
+        policy=_policy(args.tolerances), dumps=args.dumps, preset=args.preset, dtypes=dtypes,
+        budget_s=args.budget, seed=args.seed, out=Path(args.out), max_tokens=args.max_tokens,
+        max_seqs=args.max_seqs, shrink_budget_s=args.shrink_budget, progress=not args.no_progress,
+        watchdog=CallWatchdog(_call_timeout(args), EXIT_IMPLEMENTATION),
+    )  # fmt: skip
+    try:
+        return run_search(search)
+    except ImplementationFault as fault:  # the adapter's constructor failed
+        return _implementation_fault(fault.message, fault.traceback_text)
+
+
+COMMANDS = {
+    "run": cmd_run,
+    "gate": cmd_gate,
+    "diff": cmd_diff,
+    "verify": cmd_verify,
+    "power": cmd_power,
+    "search": cmd_search,
+}
 
 
 def find_adapters_in_cwd() -> None:

@@ -28,6 +28,7 @@ from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
 from kda_impl.model_executor.forward_batch import (
     MIN_REQUEST_BUCKET,
+    MIN_TOKEN_BUCKET,
     ForwardMode,
     bucket,
     make_dp_forward_batch,
@@ -246,15 +247,35 @@ class KDAImplAdapter(KDAAdapter):
         """As the layer feeds the kernel: q, k l2-normalised in fp32 (never re-rounded), v rounded to the
         run dtype and held in fp32 (the kernel upcasts it exactly, so one compiled kernel serves both runs),
         g, beta and the states fp32; o rounded to the run dtype, as the reference kernel returns it."""
-        seq_lens_from_cu_seqlens(cu_seqlens, q.shape[0])  # the jitted kernel cannot check values
+        seq_lens = seq_lens_from_cu_seqlens(cu_seqlens, q.shape[0])  # the jitted kernel cannot check values
+        tokens, num_seqs = q.shape[0], seq_lens.size
         # Conversions in numpy (bf16 casts round to nearest even, as XLA's): on the device each one would
         # be one more small executable to compile per shape.
         run_dtype = np.dtype(self._run_dtype)
-        q, k, g, beta = (np.asarray(x, np.float32)[None] for x in (q, k, g, beta))
-        v = np.asarray(v, np.float32).astype(run_dtype).astype(np.float32)[None]
+        v = np.asarray(v, np.float32).astype(run_dtype).astype(np.float32)
         init = None if initial_state is None else np.asarray(initial_state, np.float32)
-        o, final = kernel(q, k, v, g, beta, initial_state=init, cu_seqlens=np.asarray(cu_seqlens, np.int32))
-        return _to_numpy(np.asarray(o)[0].astype(run_dtype)), _to_numpy(final)
+        # Padded to the layer's buckets, as make_forward_batch pads a prefill, so that the kernel compiles
+        # once per bucket pair, not per case: the padding tokens (zeros: they leave a state unchanged) form
+        # one padding sequence, the other padding sequences are empty; their results are dropped.
+        padded_tokens, padded_seqs = (
+            bucket(tokens, MIN_TOKEN_BUCKET),
+            bucket(num_seqs + 1, MIN_REQUEST_BUCKET),
+        )
+        q, k, v, g, beta = (
+            _padded(np.asarray(x, np.float32), padded_tokens)[None] for x in (q, k, v, g, beta)
+        )
+        cu = np.full(padded_seqs + 1, padded_tokens, np.int32)
+        cu[: num_seqs + 1] = cu_seqlens
+        if init is not None:
+            init = _padded(init, padded_seqs)
+        o, final = kernel(q, k, v, g, beta, initial_state=init, cu_seqlens=cu)
+        o = np.asarray(o)[0, :tokens].astype(run_dtype)
+        return _to_numpy(o), _to_numpy(np.asarray(final)[:num_seqs])
+
+
+def _padded(x: np.ndarray, rows: int) -> np.ndarray:
+    """`x` [n, ...] with zero rows appended up to `rows`."""
+    return np.concatenate([x, np.zeros((rows - x.shape[0], *x.shape[1:]), x.dtype)])
 
 
 def _to_numpy(x: jax.Array | np.ndarray) -> np.ndarray:

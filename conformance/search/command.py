@@ -1,0 +1,189 @@
+"""`python -m conformance search`: draw, judge, shrink, write the reproducer, report (docs/search.md).
+
+Exit status: 0 the budget ran out with nothing flagged; 1 a failure was found (its reproducer is in
+`<out>/reproducer`). The command line (`conformance/cli.py`) turns bad arguments into exit 2 and an
+implementation that cannot be built into exit 3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+
+from conformance.adapter import KDAAdapter
+from conformance.guard import CallWatchdog
+from conformance.reader import DumpSet
+from conformance.search import reproducer
+from conformance.search.explore import SHRINK_BUDGET_S, Exploration, explore
+from conformance.search.judge import Judge
+from conformance.search.report import SearchProgress, Tally, check_table, regime_table, write_report
+from conformance.search.space import MAX_SEQS, MAX_TOKENS, case_strategy
+from conformance.tolerances import TolerancePolicy
+from dump_gen.weights import stress_weights, synthetic_weights
+from kda_spec.config import KDAConfig, get_preset
+from kda_spec.weight_names import FP32_WEIGHTS
+
+STRESS = "stress"
+EXIT_CLEAN, EXIT_FOUND = 0, 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchOptions:
+    """What `python -m conformance search` was asked (docs/cli.md)."""
+
+    impl: str
+    adapter_class: type[KDAAdapter]
+    options: Mapping[str, str]
+    kernel: str
+    policy: TolerancePolicy
+    dumps: str | None
+    preset: str
+    dtypes: tuple[str, ...]
+    budget_s: float
+    seed: int
+    out: Path
+    max_tokens: int = MAX_TOKENS
+    max_seqs: int = MAX_SEQS
+    shrink_budget_s: float = SHRINK_BUDGET_S
+    progress: bool = True
+    watchdog: CallWatchdog | None = None
+
+
+def weight_sets(
+    dumps: str | None, preset: str, seed: int
+) -> tuple[KDAConfig, dict[str, dict[str, np.ndarray]], dict[str, str]]:
+    """The config, the weight sets by name and each one's source: the dump's weights (`dump`) or the
+    preset's synthetic ones drawn from `seed` (`synthetic`), and `stress`: those with the gate parameters
+    (`A_log`, `dt_bias`) of `dump_gen.weights.stress_weights`, strong decays no initialised layer has."""
+    if dumps is not None:
+        dump_set = DumpSet(dumps)
+        config, base, name, source = dump_set.config, dump_set.weights(), "dump", f"dump:{dumps}"
+    else:
+        config = get_preset(preset)
+        base, name, source = synthetic_weights(config, seed), "synthetic", f"synthetic:{preset}@{seed}"
+    stress = stress_weights(config, seed)
+    stressed = {**base, **{key: stress[key] for key in FP32_WEIGHTS}}
+    return config, {name: base, STRESS: stressed}, {name: source, STRESS: f"{source}+stress-gate@{seed}"}
+
+
+def replay_command(options: SearchOptions, path: Path, dtype: str) -> str:
+    words = ["python", "-m", "conformance", "run", "--dumps", str(path), "--impl", options.impl]
+    words += ["--kernel", options.kernel, "--dtypes", dtype]
+    for key, value in options.options.items():
+        words += ["--impl-option", f"{key}={value}"]
+    return shlex.join(words)
+
+
+def run_search(options: SearchOptions, console: Console | None = None) -> int:
+    """The whole command; the exit status (module docstring)."""
+    console = console or Console(width=None if Console().is_terminal else 200)
+    options.out.mkdir(parents=True, exist_ok=True)
+    config, weights, sources = weight_sets(options.dumps, options.preset, options.seed)
+    judge = Judge(
+        options.adapter_class, options.kernel, options.options, options.policy, config, weights, sources,
+        options.watchdog,
+    )  # fmt: skip
+    strategy = case_strategy(
+        options.dtypes, list(weights), max_tokens=options.max_tokens, max_seqs=options.max_seqs
+    )
+    tally = Tally()
+    started = time.perf_counter()
+    with SearchProgress(options.budget_s, console, enabled=options.progress) as progress:
+
+        def seen(verdict, shrinking):
+            tally.add(verdict, shrinking)
+            progress.update(tally, time.perf_counter() - started, shrinking)
+
+        exploration = explore(
+            judge.judge, strategy, budget_s=options.budget_s, seed=options.seed, on_verdict=seen,
+            shrink_budget_s=options.shrink_budget_s,
+        )  # fmt: skip
+    console.print(regime_table(tally))
+    console.print(check_table(tally))
+    report = {
+        "impl": options.impl,
+        "kernel": options.kernel,
+        "options": dict(options.options),
+        "weights": sources,
+        "config": config.to_manifest(),
+        "dtypes": list(options.dtypes),
+        "seed": options.seed,
+        "budget_s": options.budget_s,
+        "seconds": exploration.seconds,
+        "drawing_s": exploration.drawing_s,
+        "cases_per_minute": 60 * exploration.cases / exploration.drawing_s,
+        "tally": tally.as_dict(),
+        "finding": None,
+    }
+    summary = (
+        f"search: {exploration.cases} cases in {exploration.drawing_s:.0f} s "
+        f"({report['cases_per_minute']:.0f}/min), {tally.shrink_cases} more while shrinking; "
+        f"{exploration.seconds:.0f} s in all"
+    )
+    if exploration.finding is None:
+        console.print(f"{summary}; nothing flagged (worst ratio {tally.worst_ratio:.3g})")
+        console.print(f"report: {write_report(options.out, report)}")
+        return EXIT_CLEAN
+    report["finding"] = _found(options, judge, exploration, console)
+    console.print(summary)
+    console.print(f"report: {write_report(options.out, report)}")
+    return EXIT_FOUND
+
+
+def _found(options: SearchOptions, judge: Judge, exploration: Exploration, console: Console) -> dict:
+    """Write and replay the reproducer of the finding, print what it says; its part of the report."""
+    finding = exploration.finding
+    assert finding is not None
+    judged = finding.verdict.checks[finding.check]
+    path = reproducer.write(judge, finding, options.out, options.impl)
+    dtype = finding.case.dtype
+    replayed = reproducer.replay(
+        path, options.adapter_class, options.kernel, options.options, options.policy, dtype, [finding.check]
+    )
+    dirty = reproducer.clean(path, options.kernel, options.policy, dtype)
+    command = replay_command(options, path, dtype)
+    console.print(
+        f"[bold red]FOUND[/] {finding.check} after {finding.found_s:.0f} s: ratio {judged.ratio:.3g} "
+        f"(impl margin {judged.impl_margin:.3g} / nRMSE {judged.impl_nrmse:.3g} vs truth; the plain fp32 "
+        f"pipeline {judged.base_margin:.3g} / {judged.base_nrmse:.3g})"
+        + (f" — {judged.fault}" if judged.fault else "")
+    )
+    console.print(f"  first drawn: {finding.first.describe()}")
+    console.print(
+        f"  shrunk to:   {finding.case.describe()} ({finding.case.tokens} tokens, "
+        f"{len(finding.case.seq_lens)} sequence(s); {finding.shrink_cases} cases in {finding.shrink_s:.0f} s)"
+    )
+    for r in replayed:
+        outcome = "holds" if r.passed else f"FAILS, verdict {r.verdict}"
+        console.print(f"  replay by the suite: {r.check} {outcome}: {r.summary}")
+    if dirty:
+        console.print(
+            f"  [yellow]the built-in kda_impl fails {[r.check for r in dirty]} of the reproducer too[/]"
+        )
+    else:
+        console.print("  the built-in kda_impl passes every check of the reproducer")
+    console.print(f"  reproducer: {path}\n  replay: {command}")
+    explain = ["python", "-m", "conformance", "diff", "--dumps", str(path), "--case", "search"]
+    console.print(f"  explain: {shlex.join([*explain, '--dtype', dtype, '--impl', options.impl])}")
+    return {
+        "check": finding.check,
+        "found_s": finding.found_s,
+        "first": finding.first.as_dict(),
+        "case": finding.case.as_dict(),
+        "tokens": finding.case.tokens,
+        "sequences": len(finding.case.seq_lens),
+        "shrink_s": finding.shrink_s,
+        "shrink_cases": finding.shrink_cases,
+        "judgement": judged.as_dict(),
+        "flagged": [j.as_dict() for j in finding.verdict.flagged],
+        "reproducer": str(path),
+        "replay": [r.as_dict() for r in replayed],
+        "kda_impl_fails": [r.as_dict() for r in dirty],
+        "replay_command": command,
+    }

@@ -1,0 +1,152 @@
+"""A generated case as a format-v1 dump set (docs/dump-format.md), computed with numpy alone.
+
+The set's reference is the **plain fp32 pipeline**: the layer's math of `kda_spec.truth` run in
+float32 (in a bf16 run: rounding to bf16 at the precision contract's points, docs/bf16-rounding.md),
+the kernel results its float32 token recurrence on the dumped kernel inputs. Its truth is the same math
+in float64 without roundings, as `dump_gen` stores it. `conformance run` on such a set therefore judges
+an implementation by how much further from the truth it is than a plain fp32 recurrence on the same
+inputs: the relative gate of docs/tolerance-policy.md, with this pipeline as its reference.
+
+The judge writes each case to an in-memory set (`memory://`) and reads it back through the suite's own
+reader; a reproducer is the same set on disk (`reproducer.py`). Writing goes through `dump_gen.storage`
+(numpy and fsspec only).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from conformance.search.space import CaseInputs
+from dump_gen.storage import npz_bytes, open_writer
+from kda_spec import dump_format as fmt
+from kda_spec.config import KDAConfig
+from kda_spec.truth import (
+    IMPLEMENTATION,
+    bf16_contract_rounding,
+    bf16_rounded,
+    l2_normalised,
+    layer_truth,
+    packed_delta_rule,
+    run_hidden_states,
+    run_weights,
+)
+
+CASE_ID = "search"
+REFERENCE = {
+    "name": "plain fp32 pipeline",
+    "description": (
+        "kda_spec.truth's layer in float32 (the bf16 run rounding to bf16 at the precision contract's "
+        "points); the kernel results its float32 token recurrence on the dumped kernel inputs"
+    ),
+    "versions": {"numpy": np.__version__},
+    "device": "cpu",
+}
+KERNEL_PATHS = ("chunk", "fused_recurrent")
+
+
+def _stored(array: np.ndarray, name: str, dtype: str) -> np.ndarray:
+    """A result as the format stores it: raw bf16 bits in a bf16 run (but for the fp32 keys)."""
+    if dtype == "bf16" and name not in fmt.FP32_IN_BF16_RUN:
+        return fmt.float32_to_bf16_bits(array)
+    return np.asarray(array, np.float32)
+
+
+def plain_pipeline(
+    hidden_states: np.ndarray,
+    inputs: CaseInputs,
+    weights: Mapping[str, np.ndarray],
+    config: KDAConfig,
+    dtype: str,
+) -> dict[str, np.ndarray]:
+    """The plain fp32 pipeline's layer results by dump name on `hidden_states` [T, hidden] (the case's, or
+    others) with the case's offsets and initial states; the bf16 run's rounding as the precision contract
+    rounds."""
+    rounded = bf16_contract_rounding if dtype == "bf16" else None
+    x = run_hidden_states(hidden_states, dtype)
+    return layer_truth(
+        run_weights(weights, dtype), x, inputs.cu_seqlens, inputs.initial_state, config, np.float32, rounded
+    )
+
+
+def case_arrays(
+    inputs: CaseInputs, weights: Mapping[str, np.ndarray], config: KDAConfig, dtype: str
+) -> dict[str, np.ndarray]:
+    """Every array of the case file of one run (`dtype`): the inputs, the plain fp32 pipeline's results
+    (the reference) and their float64 truth. `weights` float32 by HF name."""
+    run_w, x = run_weights(weights, dtype), run_hidden_states(inputs.hidden_states, dtype)
+    cu, init = inputs.cu_seqlens, inputs.initial_state
+    reference = plain_pipeline(inputs.hidden_states, inputs, weights, config, dtype)
+    truth = layer_truth(run_w, x, cu, init, config)
+    arrays: dict[str, np.ndarray] = {"hidden_states": inputs.hidden_states, "cu_seqlens": cu}
+    if init is not None:
+        arrays["initial_recurrent_state"] = init
+    q, k = (l2_normalised(reference[name]) for name in ("q_after_conv", "k_after_conv"))
+    o, state = packed_delta_rule(q, k, reference["v_after_conv"], reference["g"], reference["beta"], cu, init)
+    if dtype == "bf16":
+        o = bf16_rounded(o)  # the kernel's output in the run dtype, as the reference kernel returns it
+    arrays[fmt.result_key("out", dtype)] = _stored(reference["out"], "out", dtype)
+    for path in KERNEL_PATHS:
+        arrays[fmt.result_key(f"o_kda_{path}", dtype)] = _stored(o, f"o_kda_{path}", dtype)
+        arrays[fmt.result_key(f"recurrent_state_{path}", dtype)] = state
+    for name in fmt.INTERMEDIATE_KEYS:
+        arrays[fmt.result_key(name, dtype)] = _stored(reference[name], name, dtype)
+    for name in fmt.TRUTH_NAMES:
+        arrays[fmt.truth_key(name, dtype)] = np.asarray(truth[name], np.float64)
+    return arrays
+
+
+def write_case_set(
+    url: str,
+    arrays: dict[str, np.ndarray],
+    seq_lens: tuple[int, ...],
+    weights: Mapping[str, np.ndarray],
+    config: KDAConfig,
+    *,
+    weights_source: str,
+    seed: int,
+    search: Mapping[str, Any],
+    overwrite: bool = False,
+) -> None:
+    """A dump set of one case (`CASE_ID`) at `url` (a folder or `memory://…`), written through
+    `dump_gen.storage` (a local folder staged and swapped in whole). `search`: what the search says of
+    the case (its fields, the check it failed), kept in the manifest under `search`."""
+    with open_writer(url, overwrite=overwrite) as writer:
+        case_file = fmt.case_file(CASE_ID)
+        weights_bytes = npz_bytes({name: np.asarray(w, np.float32) for name, w in weights.items()})
+        manifest = {
+            "format": fmt.FORMAT_NAME,
+            "version": fmt.FORMAT_VERSION,
+            "config": config.to_manifest(),
+            "reference": REFERENCE,
+            "seed": seed,
+            "weights": {
+                "file": fmt.WEIGHTS_FILE,
+                "sha256": writer.write(fmt.WEIGHTS_FILE, weights_bytes),
+                "source": weights_source,
+            },
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "generator": "conformance.search",
+            "truth": {
+                "dtype": fmt.TRUTH_DTYPE,
+                "implementation": IMPLEMENTATION,
+                "names": list(fmt.TRUTH_NAMES),
+                "intermediates_max_tokens": sum(seq_lens),
+            },
+            "cases": [
+                {
+                    "id": CASE_ID,
+                    "file": case_file,
+                    "sha256": writer.write(case_file, npz_bytes(arrays)),
+                    "seq_lens": list(seq_lens),
+                    "initial_state": "initial_recurrent_state" in arrays,
+                    "layer_kernel_path": "chunk",
+                    "keys": sorted(arrays),
+                }
+            ],
+            "search": dict(search),
+        }
+        writer.commit(manifest)
