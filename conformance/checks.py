@@ -489,10 +489,8 @@ class CheckRunner:
             "q": l2norm(q), "k": l2norm(k), "v": v, "g": g, "beta": beta,
             "cu_seqlens": case.cu_seqlens, "initial_state": case.initial_state,
         }  # fmt: skip
-        shapes = CallShapes(len(q), len(case.cu_seqlens) - 1, self.dumps.manifest["config"])
-        return self._call(
-            dtype, method, arguments, lambda result, call: checked_kernel_result(result, call, shapes)
-        )
+        shapes = self._shapes(len(q), len(case.cu_seqlens) - 1)
+        return self._call(dtype, method, arguments, checked_kernel_result, shapes)
 
     def decode(self, case: CaseData, dtype: str, k: int | None) -> tuple[np.ndarray, np.ndarray]:
         """Prefill all but the last k tokens of each sequence, then decode k steps.
@@ -572,22 +570,14 @@ class CheckRunner:
             "hidden_states": hidden_states, "cu_seqlens": cu_seqlens,
             "initial_state": initial_state, "carry": carry,
         }  # fmt: skip
-        shapes = CallShapes(len(hidden_states), len(cu_seqlens) - 1, self.dumps.manifest["config"])
-        return self._call(
-            dtype,
-            "layer_extend",
-            arguments,
-            lambda result, call: checked_layer_result(result, call, shapes),
-        )
+        shapes = self._shapes(len(hidden_states), len(cu_seqlens) - 1)
+        return self._call(dtype, "layer_extend", arguments, checked_layer_result, shapes)
 
     def _decode_step(self, dtype: str, tokens: np.ndarray, carry: Any) -> LayerResult:
         """`layer_decode` of one token per sequence of `carry`, checked."""
-        shapes = CallShapes(len(tokens), len(tokens), self.dumps.manifest["config"])
+        arguments = {"hidden_states": tokens, "carry": carry}
         return self._call(
-            dtype,
-            "layer_decode",
-            {"hidden_states": tokens, "carry": carry},
-            lambda result, call: checked_layer_result(result, call, shapes),
+            dtype, "layer_decode", arguments, checked_layer_result, self._shapes(len(tokens), len(tokens))
         )
 
     def _carry(self, result: LayerResult, purpose: str) -> Any:
@@ -596,17 +586,25 @@ class CheckRunner:
             raise CheckSkipped(f"adapter {self.adapter_class.name!r} returns no carry: no {purpose} path")
         return result.carry
 
+    def _shapes(self, tokens: int, num_seqs: int) -> CallShapes:
+        """The result shapes the contract fixes for a call of `tokens` tokens in `num_seqs` sequences."""
+        return CallShapes(tokens, num_seqs, self.dumps.manifest["config"])
+
     def _call(
         self,
         dtype: str,
         method: str,
         arguments: dict[str, Any],
-        validate: Callable[[Any, str], Any],
+        check: Callable[[Any, str, CallShapes], Any],
+        shapes: CallShapes,
     ) -> Any:
-        """Call an adapter method through its guard; a path it lacks (NotImplementedError) skips the
-        check, any other failure is an `ImplementationFault`."""
+        """Call an adapter method through its guard, its result through `check(result, call, shapes)`;
+        a path it lacks (NotImplementedError) skips the check, any other failure is an
+        `ImplementationFault`."""
         self.adapter(dtype)  # built (or its fault raised) first
         try:
-            return self._guarded[dtype].call(method, arguments, validate)
+            return self._guarded[dtype].call(
+                method, arguments, lambda result, call: check(result, call, shapes)
+            )
         except NotImplementedError as err:
             raise CheckSkipped(str(err) or f"adapter has no {method}") from None

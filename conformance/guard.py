@@ -108,9 +108,6 @@ class FaultLog:
     def __bool__(self) -> bool:
         return bool(self._entries)
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def add_call(self, fault: ImplementationFault) -> None:
         """A call that faulted (several checks may share it)."""
         self._entries.setdefault(fault.key, FaultEntry(fault)).calls += 1
@@ -120,9 +117,6 @@ class FaultLog:
         entry = self._entries.setdefault(fault.key, FaultEntry(fault))
         if check_id not in entry.checks:
             entry.checks.append(check_id)
-
-    def entries(self) -> list[FaultEntry]:
-        return list(self._entries.values())
 
     def as_list(self) -> list[dict[str, Any]]:
         return [entry.as_dict() for entry in self._entries.values()]

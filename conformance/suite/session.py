@@ -212,6 +212,7 @@ class ConformanceSession:
     def report(self) -> dict[str, Any]:
         """The report of the run so far."""
         adapters = self.runner.adapters
+        kernel_used = {dtype: adapter.kernel_used for dtype, adapter in adapters.items()}
         meta = {
             "duration_s": round(time.monotonic() - self.started, 2),
             "dumps": {
@@ -224,7 +225,7 @@ class ConformanceSession:
                 "name": next((adapter.name for adapter in adapters.values()), self.runner.adapter_class.name),
                 "kernel": self.options.kernel,
                 "options": self.options.impl_options,
-                "kernel_used": {dtype: adapter.kernel_used for dtype, adapter in adapters.items()},
+                "kernel_used": kernel_used,
                 "describe": {dtype: adapter.describe() for dtype, adapter in adapters.items()},
                 "call_timeout_s": self.options.call_timeout_s,
             },
@@ -232,7 +233,7 @@ class ConformanceSession:
             "checker_errors": [
                 {"message": line, "traceback": text} for line, text in self.checker_errors.items()
             ],
-            "environment": environment({dtype: adapter.kernel_used for dtype, adapter in adapters.items()}),
+            "environment": environment(kernel_used),
             "tolerances": self.policy.as_dict(),
             "selection": {
                 "cases": self.dumps.case_ids(self.options.cases),
