@@ -32,6 +32,7 @@ from conformance.metrics import (
     Attribution,
     Comparison,
     ContractCheck,
+    StatisticRows,
     attribute,
     contract_check,
     judge,
@@ -271,9 +272,8 @@ class CheckRunner:
         truth where there is one, decided by the check's gate mode. `truth` gives (truth, source) in
         place of the check's own (or raises `NoTruth`)."""
         tolerance = self.policy.tolerance(spec.check, spec.dtype)
-        measured = measure(
-            actual, expected, tolerance, self.policy.rfc[spec.dtype], axes, positions, case.info.seq_lens
-        )
+        rfc, min_tokens = self.policy.rfc[spec.dtype], self.policy.min_tokens
+        measured = measure(actual, expected, tolerance, rfc, axes, positions, case.info.seq_lens, min_tokens)
         mode = self.policy.mode(spec.check, spec.dtype)
         if not measured.usable:
             return judge(measured, mode, None, "nothing compared")
@@ -286,7 +286,9 @@ class CheckRunner:
         if mode != CONTRACT_MODE:
             return judge(measured, mode, attribution)
         try:
-            contract = self.contract(case, spec, actual, expected, truth_value, attribution, positions)
+            contract = self.contract(
+                case, spec, actual, expected, truth_value, attribution, positions, measured.gating
+            )
         except NoTruth as missing:
             return judge(measured, mode, attribution, no_contract=str(missing))
         return judge(measured, mode, attribution, contract=contract)
@@ -300,21 +302,22 @@ class CheckRunner:
         truth: np.ndarray,
         attribution: Attribution,
         positions: dict,
+        gating: StatisticRows,
     ) -> ContractCheck:
         """The check's two sides against the bf16 precision contract's float64 model of its result (and
-        the model against the check's `truth`, whose `attribution` holds the implementation's error);
-        `NoTruth` when there is none (a kernel check, a result the model lacks)."""
-        model, tokens = self.contract_model(case, spec, positions)
+        the model against the check's `truth`, whose `attribution` holds the implementation's error),
+        under the minimum-tokens rule's `gating` of the result; `NoTruth` when there is none (a kernel
+        check, a result the model lacks)."""
+        model = self.contract_model(case, spec, positions)
         limits, fp32_stage = self.policy.contract, truth_name(spec.check) in FP32_STAGES
         impl_error = attribution.impl.nrmse
         return contract_check(
-            actual, expected, model, truth, impl_error, CONTRACT_SOURCE, limits, fp32_stage, tokens
+            actual, expected, model, truth, impl_error, CONTRACT_SOURCE, limits, fp32_stage, gating
         )
 
-    def contract_model(self, case: CaseData, spec: CheckSpec, positions: dict) -> tuple[np.ndarray, int]:
-        """The bf16 precision contract's float64 model of the check's result (its rows at `positions`),
-        and how many tokens it comes from; `NoTruth` when there is none (a kernel check, a result the
-        model of a long case lacks)."""
+    def contract_model(self, case: CaseData, spec: CheckSpec, positions: dict) -> np.ndarray:
+        """The bf16 precision contract's float64 model of the check's result (its rows at `positions`);
+        `NoTruth` when there is none (a kernel check, a result the model of a long case lacks)."""
         if spec.check in KERNEL_CHECKS:
             raise NoTruth("the precision contract has no rounding point inside the kernels")
         name = truth_name(spec.check)
@@ -324,9 +327,7 @@ class CheckRunner:
         )
         if name not in models:
             raise not_computed(case, name, "the precision contract's model")
-        if "token" in positions:
-            return models[name][positions["token"]], len(positions["token"])
-        return models[name], case.info.total_tokens  # the states: every token of the case went into them
+        return models[name][positions["token"]] if "token" in positions else models[name]
 
     def by_position(self, case: CaseData, spec: CheckSpec) -> Comparison:
         """A long case's output (its prefill, or its prefill then decode steps) against the reference and
@@ -342,9 +343,8 @@ class CheckRunner:
         except NoTruth as missing:
             raise CheckSkipped(f"{missing}: the error by position is measured against it") from None
         tolerance = self.policy.tolerance(spec.check, dtype)
-        measured = measure(
-            actual, expected, tolerance, self.policy.rfc[dtype], _OUT_AXES, {}, case.info.seq_lens
-        )
+        rfc, min_tokens = self.policy.rfc[dtype], self.policy.min_tokens
+        measured = measure(actual, expected, tolerance, rfc, _OUT_AXES, {}, case.info.seq_lens, min_tokens)
         if not measured.usable:
             return judge(measured, self.policy.mode(spec.check, dtype), None, "nothing compared")
         profile = position_profile(

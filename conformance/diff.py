@@ -126,7 +126,7 @@ def _keep_judging_arrays(
     if comparison.attribution is not None:
         row.truth = truth()[0] if truth else runner.truth(case, spec, positions)[0]
     if comparison.contract is not None:
-        row.model = runner.contract_model(case, spec, positions)[0]
+        row.model = runner.contract_model(case, spec, positions)
 
 
 def _kernel_on_layer_inputs(

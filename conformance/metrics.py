@@ -135,6 +135,42 @@ def attribute(
 
 
 @dataclasses.dataclass(frozen=True)
+class StatisticRows:
+    """The policy's minimum-tokens rule on one result: a whole-output statistic held to a fixed limit
+    (the bf16 gate's nRMSE, the precision contract's nRMSE and gain) decides over the `rows` of the
+    result's leading axis that at least `min_tokens` tokens produced, and decides at all where `tokens`
+    (a per-token result's rows; a per-sequence one's longest sequence) reaches `min_tokens`."""
+
+    rows: np.ndarray  # bool, one per entry of the leading axis
+    tokens: int
+    min_tokens: int
+
+    @property
+    def applies(self) -> bool:
+        return self.tokens >= self.min_tokens
+
+    def gating(self) -> dict[str, int]:
+        """The criterion fields that carry the rule."""
+        return {"tokens": self.tokens, "min_tokens": self.min_tokens}
+
+
+def statistic_rows(
+    axes: tuple[str, ...], rows: int, seq_lens: Sequence[int] | None, min_tokens: int
+) -> StatisticRows:
+    """The minimum-tokens rule for a result of `rows` entries along its leading axis `axes[0]`: a
+    per-token result (`token`) counts its rows, and applies whole; a per-sequence one (`seq`: states)
+    counts each sequence's own tokens (`seq_lens`) and applies over the sequences long enough; any other
+    result is one whole output the rule lets through."""
+    if axes[:1] == ("seq",) and seq_lens is not None:
+        if len(seq_lens) != rows:
+            raise ValueError(f"{len(seq_lens)} sequence lengths for a result of {rows} sequences")
+        lens = np.asarray(seq_lens, np.int64)
+        return StatisticRows(lens >= min_tokens, int(lens.max()), min_tokens)
+    tokens = rows if axes[:1] == ("token",) else min_tokens
+    return StatisticRows(np.full(rows, tokens >= min_tokens), tokens, min_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
 class ContractError:
     """One side against the bf16 precision contract's float64 model `m`: `nrmse` `‖x - m‖₂ / ‖m‖₂`, and
     `gain` `<x - m, m> / <m, m>`, the part of the error along the model: what a scale defect (a weight
@@ -163,23 +199,24 @@ def error_vs_contract(x: np.ndarray, model: np.ndarray) -> ContractError:
 @dataclasses.dataclass(frozen=True)
 class ContractCheck:
     """The implementation against the bf16 precision contract (docs/tolerance-policy.md): its nRMSE and
-    gain against the float64 model of the contract's roundings, under `limits`; the reference's own
-    numbers beside it, reported only (a reference may round elsewhere: transformers' port does)."""
+    gain against the float64 model of the contract's roundings, under `limits`, over the rows the
+    minimum-tokens rule selects; the reference's own numbers beside it, reported only (a reference may
+    round elsewhere: transformers' port does)."""
 
     source: str
     impl: ContractError
     reference: ContractError
     limits: ContractLimits
     fp32_stage: bool  # the contract keeps this result in fp32 (g, beta, states): the tighter nRMSE limit
-    tokens: int  # the tokens the result comes from: it is gated from `limits.min_tokens` on
+    gating: StatisticRows  # the minimum-tokens rule on the result
     impl_truth_nrmse: float  # the implementation's nRMSE against the float64 truth
     model_truth_nrmse: float  # the model's own: what the contract's roundings cost
 
     @property
     def criteria(self) -> tuple[Criterion, ...]:
         """The contract on the implementation: its nRMSE (the limit of a bf16 or an fp32 stage) and
-        |gain| against the model, over results of `min_tokens` tokens or more, unless it is
-        `closer_factor` times closer to the truth than the model itself (it rounds less, not worse)."""
+        |gain| against the model, under the minimum-tokens rule, unless it is `closer_factor` times
+        closer to the truth than the model itself (it rounds less, not worse)."""
         limits = self.limits
         closer = Criterion(
             "contract",
@@ -189,7 +226,7 @@ class ContractCheck:
             1.0,
             self.model_truth_nrmse,
         )
-        gating = {"tokens": self.tokens, "min_tokens": limits.min_tokens, "unless": closer}
+        gating = {**self.gating.gating(), "unless": closer}
         gain = abs(self.impl.gain)
         return (
             Criterion("contract", "nRMSE vs the contract's model", self.impl.nrmse, self.max_nrmse, **gating),
@@ -210,7 +247,8 @@ class ContractCheck:
 
     @property
     def gated(self) -> bool:
-        return self.tokens >= self.limits.min_tokens
+        """The minimum-tokens rule lets the contract decide."""
+        return self.gating.applies
 
     @property
     def failures(self) -> list[str]:
@@ -229,8 +267,8 @@ class ContractCheck:
             "reference": self.reference.as_dict(),
             "limits": self.limits.as_dict(),
             "fp32_stage": self.fp32_stage,
-            "tokens": self.tokens,
-            "gated": self.gated,
+            **self.gating.gating(),
+            "gated": self.gating.applies,
             "truth_nrmse": {"impl": self.impl_truth_nrmse, "model": self.model_truth_nrmse},
             "closer": self.closer,
             "max_nrmse": self.max_nrmse,
@@ -248,18 +286,20 @@ def contract_check(
     source: str,
     limits: ContractLimits,
     fp32_stage: bool,
-    tokens: int,
+    gating: StatisticRows,
 ) -> ContractCheck:
-    """Both sides of a check against the contract's float64 `model` (where it comes from: `source`) of a
-    result that `tokens` tokens produced; the model against the float64 `truth`, beside the
-    implementation's nRMSE against it (`TruthError.nrmse` of the check's attribution)."""
+    """Both sides of a check against the contract's float64 `model` (where it comes from: `source`), over
+    the rows `gating` selects (all of them where it selects none: reported, not gated); the model against
+    the float64 `truth`, beside the implementation's nRMSE against it (`TruthError.nrmse` of the check's
+    attribution)."""
+    rows = gating.rows if gating.rows.any() else slice(None)
     return ContractCheck(
         source=source,
-        impl=error_vs_contract(actual, model),
-        reference=error_vs_contract(expected, model),
+        impl=error_vs_contract(np.asarray(actual)[rows], np.asarray(model)[rows]),
+        reference=error_vs_contract(np.asarray(expected)[rows], np.asarray(model)[rows]),
         limits=limits,
         fp32_stage=fp32_stage,
-        tokens=tokens,
+        gating=gating,
         impl_truth_nrmse=impl_truth_nrmse,
         model_truth_nrmse=error_vs_contract(model, truth).nrmse,
     )
@@ -271,9 +311,9 @@ class Measurement:
 
     margin: worst `|a - b| / (atol + rtol * |b|)` (<= 1 is within the tolerance element-wise);
     nrmse: fla's normalised RMSE `‖a - b‖₂ / ‖b‖₂`; worst: the element that sets the margin.
-    gated_nrmse: the nRMSE over the part of the result the nRMSE limit applies to (a state's sequences
-    of enough tokens; else the whole), and `nrmse_tokens` the tokens it comes from (a per-token result:
-    its rows; states: the longest of their sequences). rfc: the element-wise numbers under the RFC's
+    gating: the minimum-tokens rule on the result (`statistic_rows`); gated_nrmse: the nRMSE over the
+    rows it selects, where the tolerance has an nRMSE limit (None: none, or no row selected). rfc: the
+    element-wise numbers under the RFC's
     tolerance, reported beside the verdict. `unusable` says why nothing could be compared (a shape
     mismatch, a NaN reference), None when the numbers stand.
     """
@@ -289,8 +329,8 @@ class Measurement:
     worst: dict[str, Any]
     tolerance: Tolerance
     rfc: dict[str, Any]
+    gating: StatisticRows
     gated_nrmse: float | None = None
-    nrmse_tokens: int = 0
     unusable: str | None = None
 
     @property
@@ -299,8 +339,8 @@ class Measurement:
 
     @property
     def nrmse_gated(self) -> bool:
-        """Whether the nRMSE limit applies (`Tolerance.gates_nrmse`)."""
-        return self.tolerance.gates_nrmse(self.nrmse_tokens)
+        """Whether the nRMSE limit applies: the tolerance has one, and the minimum-tokens rule lets it."""
+        return self.tolerance.max_nrmse is not None and self.gating.applies
 
     @property
     def apart(self) -> bool:
@@ -316,7 +356,7 @@ class Measurement:
     @property
     def absolute_criteria(self) -> tuple[Criterion, ...]:
         """The absolute gate: every element within the tolerance (margin <= 1) and, where the tolerance
-        has one, the nRMSE within `max_nrmse` over results of `nrmse_min_tokens` tokens or more."""
+        has one, the nRMSE within `max_nrmse` under the minimum-tokens rule."""
         tol = self.tolerance
         where = ", ".join(f"{name} {i}" for name, i in self.worst.get("index", {}).items())
         got, expected = self.worst.get("actual", math.nan), self.worst.get("expected", math.nan)
@@ -328,11 +368,10 @@ class Measurement:
         criteria = [Criterion("absolute", "margin", self.margin, 1.0, detail=outside)]
         if tol.max_nrmse is not None:
             nrmse = self.nrmse if self.gated_nrmse is None else self.gated_nrmse
-            over = "" if nrmse == self.nrmse else f" over the sequences of >= {tol.nrmse_min_tokens} tokens"
+            over = "" if nrmse == self.nrmse else f" over the sequences of >= {self.gating.min_tokens} tokens"
             criteria.append(
                 Criterion(
-                    "absolute", "normalised RMSE", nrmse, tol.max_nrmse,
-                    tokens=self.nrmse_tokens, min_tokens=tol.nrmse_min_tokens,
+                    "absolute", "normalised RMSE", nrmse, tol.max_nrmse, **self.gating.gating(),
                     detail=f"normalised RMSE {nrmse:.3g} > {tol.max_nrmse:g}{over}",
                 )
             )  # fmt: skip
@@ -456,21 +495,6 @@ def _nrmse(error: np.ndarray, reference: np.ndarray) -> float:
     return err_norm / ref_norm if ref_norm > 0 else (0.0 if err_norm == 0 else float("inf"))
 
 
-def _nrmse_tokens(
-    tolerance: Tolerance, axes: tuple[str, ...], rows: int, seq_lens: Sequence[int] | None
-) -> tuple[np.ndarray, int]:
-    """Which rows of the leading axis the nRMSE limit applies to (`Tolerance.gates_nrmse`), and the
-    tokens that decide whether it applies at all: a per-token result by its number of rows, a
-    per-sequence one (states) by the tokens of each sequence (the longest, for the whole)."""
-    if axes[:1] == ("seq",) and seq_lens is not None:
-        if len(seq_lens) != rows:
-            raise ValueError(f"{len(seq_lens)} sequence lengths for a result of {rows} sequences")
-        return np.array([tolerance.gates_nrmse(int(n)) for n in seq_lens], bool), int(max(seq_lens))
-    if axes[:1] == ("token",):
-        return np.full(rows, tolerance.gates_nrmse(rows)), rows
-    return np.full(rows, tolerance.max_nrmse is not None), tolerance.nrmse_min_tokens
-
-
 def _elementwise(error: np.ndarray, reference: np.ndarray, tolerance: Tolerance) -> tuple[np.ndarray, int]:
     ratio = error / (tolerance.atol + tolerance.rtol * np.abs(reference))
     return ratio, int(np.count_nonzero(ratio > 1.0))
@@ -490,13 +514,14 @@ def measure(
     axes: tuple[str, ...] = (),
     positions: dict[str, np.ndarray] | None = None,
     seq_lens: Sequence[int] | None = None,
+    min_tokens: int = 0,
 ) -> Measurement:
     """`actual` against the reference `expected`.
 
     `axes` names the dimensions for the worst element's position; `positions` maps an axis to the
     original index of each of its entries, for results that are a selection of rows; `seq_lens` the
-    tokens of each sequence, for a result over sequences (axis `seq`: states), whose nRMSE limit then
-    applies to the states of the sequences long enough (`Tolerance.gates_nrmse`).
+    tokens of each sequence, for a result over sequences (axis `seq`: states); `min_tokens` the
+    policy's minimum-tokens rule (`statistic_rows`), which decides what the nRMSE limit applies to.
     """
     a = np.asarray(actual, dtype=np.float64)
     b = np.asarray(expected, dtype=np.float64)
@@ -517,7 +542,8 @@ def measure(
     names = axes if len(axes) == a.ndim else tuple(f"dim{i}" for i in range(a.ndim))
     positions = positions or {}
     nonzero = b != 0
-    gated_rows, nrmse_tokens = _nrmse_tokens(tolerance, names, a.shape[0], seq_lens)
+    gating = statistic_rows(names, a.shape[0], seq_lens, min_tokens)
+    gated = tolerance.max_nrmse is not None and gating.rows.any()
     return Measurement(
         shape=a.shape,
         max_abs=float(error.max()),
@@ -536,8 +562,8 @@ def measure(
             "expected": float(b.flat[flat_worst]),
         },
         tolerance=tolerance,
-        gated_nrmse=_nrmse(error[gated_rows], b[gated_rows]) if gated_rows.any() else None,
-        nrmse_tokens=nrmse_tokens,
+        gating=gating,
+        gated_nrmse=_nrmse(error[gating.rows], b[gating.rows]) if gated else None,
         rfc={
             **rfc_tolerance.as_dict(),
             "n_outside": rfc_outside,
@@ -590,9 +616,10 @@ def compare(
     axes: tuple[str, ...] = (),
     positions: dict[str, np.ndarray] | None = None,
     seq_lens: Sequence[int] | None = None,
+    min_tokens: int = 0,
 ) -> Comparison:
     """`measure` decided by the absolute gate alone (no truth looked up)."""
-    measured = measure(actual, expected, tolerance, rfc_tolerance, axes, positions, seq_lens)
+    measured = measure(actual, expected, tolerance, rfc_tolerance, axes, positions, seq_lens, min_tokens)
     return judge(measured, "absolute", None, "not looked up")
 
 
@@ -610,5 +637,6 @@ def _unusable(shape: tuple[int, ...], tolerance: Tolerance, reason: str) -> Meas
         worst={},
         tolerance=tolerance,
         rfc={},
+        gating=StatisticRows(np.zeros(shape[:1] or (0,), bool), 0, 0),
         unusable=reason,
     )

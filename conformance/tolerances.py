@@ -14,9 +14,9 @@ from conformance.verdict import MODE_GATES
 from kda_spec.dump_format import DTYPES
 
 DEFAULT_POLICY_FILE = Path(__file__).with_name("tolerances.toml")
-_LIMIT_FIELDS = ("atol", "rtol", "max_nrmse", "nrmse_min_tokens")
+_LIMIT_FIELDS = ("atol", "rtol", "max_nrmse")
 RELATIVE_FIELDS = ("factor", "margin_floor", "nrmse_floor")
-CONTRACT_FIELDS = ("max_nrmse", "max_nrmse_fp32_stage", "max_gain", "min_tokens", "closer_factor")
+CONTRACT_FIELDS = ("max_nrmse", "max_nrmse_fp32_stage", "max_gain", "closer_factor")
 # Which gate decides a check: the absolute limits, the relative one (against the float64 truth), both,
 # or the relative one and the bf16 precision contract (against the float64 model of its roundings).
 GATE_MODES = tuple(MODE_GATES)
@@ -25,22 +25,13 @@ CONTRACT_MODE = "relative+contract"
 
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
-    """Element-wise `|a - b| <= atol + rtol * |b|`, and `‖a - b‖₂ / ‖b‖₂ <= max_nrmse` where set.
-
-    The nRMSE limit applies to what at least `nrmse_min_tokens` tokens produced: a per-token result of
-    that many rows, or the recurrent state of a sequence that long; below that it is reported only.
-    """
+    """Element-wise `|a - b| <= atol + rtol * |b|`, and `‖a - b‖₂ / ‖b‖₂ <= max_nrmse` where set (over
+    what the policy's `min_tokens` rule lets it decide: `metrics.statistic_rows`)."""
 
     atol: float
     rtol: float
     max_nrmse: float | None = None
-    nrmse_min_tokens: int = 0
     reason: str | None = None  # why a per-check override departs from the dtype's policy
-
-    def gates_nrmse(self, tokens: int) -> bool:
-        """Whether the nRMSE limit holds for what `tokens` tokens produced: a per-token result of that
-        many rows, or the final state of a sequence of that many tokens."""
-        return self.max_nrmse is not None and tokens >= self.nrmse_min_tokens
 
     def __post_init__(self) -> None:
         for name in _LIMIT_FIELDS:
@@ -86,15 +77,14 @@ class ContractLimits:
     exactly at the contract's points (docs/bf16-rounding.md). Its nRMSE against that model may be at
     most `max_nrmse` for a stage the contract stores in bf16, `max_nrmse_fp32_stage` for one it keeps in
     fp32 (g, beta, the recurrent states), and its gain (the error's component along the model,
-    `<x - m, m> / <m, m>`) at most `max_gain` in size. Both are whole-output statistics, gated where the
-    result comes from at least `min_tokens` tokens: a row or two holds too few roundings. A result
+    `<x - m, m> / <m, m>`) at most `max_gain` in size; both are whole-output statistics, under the
+    policy's `min_tokens` rule (`metrics.statistic_rows`). A result
     `closer_factor` times closer to the float64 truth (nRMSE) than the model itself is exempt: it rounds
     less than the contract, not worse."""
 
     max_nrmse: float
     max_nrmse_fp32_stage: float
     max_gain: float
-    min_tokens: int
     closer_factor: float
 
     def __post_init__(self) -> None:
@@ -104,9 +94,6 @@ class ContractLimits:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         if self.closer_factor < 1:
             raise ValueError(f"closer_factor must be >= 1, got {self.closer_factor!r}")
-
-    def gates(self, tokens: int) -> bool:
-        return tokens >= self.min_tokens
 
     def max_nrmse_of(self, fp32_stage: bool) -> float:
         return self.max_nrmse_fp32_stage if fp32_stage else self.max_nrmse
@@ -138,6 +125,7 @@ class TolerancePolicy:
     overrides: tuple[Override, ...]
     relative: dict[str, RelativeLimits]  # by dtype
     contract: ContractLimits | None  # bf16 only (fp32 has no rounding point); None: no rule uses it
+    min_tokens: int  # `[statistics] min_tokens`: what a fixed-limit whole-output statistic decides over
     modes: tuple[ModeRule, ...]
     close_margin: float
     growth_factor: float
@@ -162,6 +150,7 @@ class TolerancePolicy:
                 relative={dtype: _relative(data, dtype) for dtype in DTYPES},
                 contract=_contract(data, any(rule.mode == CONTRACT_MODE for rule in modes)),
                 modes=modes,
+                min_tokens=_min_tokens(data),
                 close_margin=_non_negative(
                     _setting(data, "report", "close_margin", 0.5), "[report] close_margin"
                 ),
@@ -201,6 +190,7 @@ class TolerancePolicy:
             "relative": {dtype: limits.as_dict() for dtype, limits in self.relative.items()},
             "contract": {"bf16": self.contract.as_dict()} if self.contract else {},
             "modes": [dataclasses.asdict(rule) for rule in self.modes],
+            "min_tokens": self.min_tokens,
             "close_margin": self.close_margin,
             "growth_factor": self.growth_factor,
             "growth_min_ratio": self.growth_min_ratio,
@@ -231,6 +221,16 @@ def _required_platform(data: dict[str, Any]) -> str | None:
     """`[platform] require`: a platform the gate requires of a report, or None when unset."""
     value = _setting(data, "platform", "require", None)
     return None if value is None else check_required_platform(value, "[platform] require")
+
+
+def _min_tokens(data: dict[str, Any]) -> int:
+    """`[statistics] min_tokens`: a whole number >= 1."""
+    value = _setting(data, "statistics", "min_tokens", None)
+    if value is None:
+        raise KeyError("missing [statistics] min_tokens")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"[statistics] min_tokens must be a whole number >= 1, got {value!r}")
+    return value
 
 
 def _non_negative(value: Any, name: str) -> float:

@@ -33,9 +33,9 @@ from tests.conformance.report_files import criterion, report_of
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 BF16, RFC = Tolerance(atol=1e-2, rtol=1e-2), Tolerance(atol=1e-3, rtol=1e-3)
 RELATIVE = RelativeLimits(factor=2.0, margin_floor=0.5, nrmse_floor=1e-4)
-LIMITS = ContractLimits(
-    max_nrmse=2e-3, max_nrmse_fp32_stage=5e-4, max_gain=1e-4, min_tokens=32, closer_factor=2.0
-)
+LIMITS = ContractLimits(max_nrmse=2e-3, max_nrmse_fp32_stage=5e-4, max_gain=1e-4, closer_factor=2.0)
+MIN_TOKENS = 32
+STATE_AXES = ("seq", "head", "key", "value")
 MODEL = np.random.default_rng(0).normal(size=(64, 48))
 
 
@@ -81,14 +81,22 @@ def test_the_gain_of_a_scaled_result_is_the_scale_and_independent_roundings_have
 
 
 def _contract_judged(
-    actual: np.ndarray, tokens: int = 64, fp32_stage: bool = False, model: np.ndarray = MODEL
+    actual: np.ndarray,
+    fp32_stage: bool = False,
+    model: np.ndarray = MODEL,
+    truth: np.ndarray = MODEL,
+    min_tokens: int = MIN_TOKENS,
+    axes: tuple[str, ...] = ("token", "channel"),
+    seq_lens: tuple[int, ...] | None = None,
 ) -> Comparison:
-    """`actual` against a bf16 reference, the truth `MODEL`, and the contract's `model`."""
-    reference = _bf16(MODEL)
-    comparison = compare(actual, reference, BF16, RFC, ("token", "channel"))
-    attribution = attribute(actual, reference, MODEL, "t", BF16, RELATIVE, bool(comparison.absolute_failures))
+    """`actual` against a bf16 reference, the `truth`, and the contract's `model`."""
+    reference = _bf16(truth)
+    comparison = compare(actual, reference, BF16, RFC, axes, seq_lens=seq_lens, min_tokens=min_tokens)
+    attribution = attribute(actual, reference, truth, "t", BF16, RELATIVE, bool(comparison.absolute_failures))
     impl_error = attribution.impl.nrmse
-    contract = contract_check(actual, reference, model, MODEL, impl_error, "t", LIMITS, fp32_stage, tokens)
+    contract = contract_check(
+        actual, reference, model, truth, impl_error, "t", LIMITS, fp32_stage, comparison.gating
+    )
     return judge(comparison, CONTRACT_MODE, attribution, contract=contract)
 
 
@@ -120,7 +128,7 @@ def test_a_result_closer_to_the_truth_than_the_model_is_exempt() -> None:
 
 
 def test_the_contract_is_not_gated_below_min_tokens_nor_without_a_model() -> None:
-    few = _contract_judged(MODEL * (1 + 5e-4), tokens=8)
+    few = _contract_judged(MODEL * (1 + 5e-4), min_tokens=len(MODEL) + 1)
     assert few.passed and not few.contract.gated and few.contract.ratio == 0.0
     comparison = compare(MODEL * (1 + 5e-4), _bf16(MODEL), BF16, RFC, ("token", "channel"))
     attribution = attribute(MODEL * (1 + 5e-4), _bf16(MODEL), MODEL, "t", BF16, RELATIVE, False)
@@ -229,3 +237,20 @@ def test_diff_names_the_first_stage_off_the_contract() -> None:
     assert lines[-1].startswith("first stage off the precision contract: gate/beta (beta): nRMSE vs")
     conv = next(line for line in lines if line.startswith("conv") and "q_after_conv" in line)
     assert " 0 / +0 " in conv  # bit-exact against the contract's model, as kda_impl itself
+
+
+def test_the_contract_counts_each_state_by_its_own_sequence_as_the_nrmse_gate_does() -> None:
+    """One minimum-tokens rule: the states of sequences shorter than `min_tokens` are left out of the
+    contract's statistics exactly as they are left out of the bf16 nRMSE gate's."""
+    states = np.random.default_rng(1).normal(size=(4, 2, 4, 4))
+    seq_lens = (5, 17, 1, 41)
+    short_off = states.copy()
+    short_off[:3] *= 1 + 5e-3  # the three short sequences' states scaled: ungated
+    judged = _contract_judged(short_off, True, states, states, axes=STATE_AXES, seq_lens=seq_lens)
+    assert judged.contract.gating.tokens == judged.gating.tokens == 41
+    assert list(judged.contract.gating.rows) == list(judged.gating.rows) == [False, False, False, True]
+    assert judged.contract.impl.nrmse == 0.0 and not judged.contract.failures
+    long_off = states.copy()
+    long_off[3] *= 1 + 5e-4
+    judged = _contract_judged(long_off, True, states, states, axes=STATE_AXES, seq_lens=seq_lens)
+    assert judged.contract.failures == ["gain vs the contract's model +0.0005, |gain| > 0.0001"]

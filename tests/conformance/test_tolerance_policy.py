@@ -16,6 +16,7 @@ from tests.conformance.numpy_adapter import NumpyAdapter
 POLICY = TolerancePolicy.load()
 BF16, RFC_BF16 = POLICY.gate["bf16"], POLICY.rfc["bf16"]
 STATE_AXES = ("seq", "head", "key", "value")
+MIN = POLICY.min_tokens
 
 
 def test_override_reasons_read_as_plain_sentences() -> None:
@@ -34,16 +35,22 @@ def _states_with_noise(noisy_seqs: list[int], num_seqs: int = 4) -> tuple[np.nda
 
 def test_state_of_a_short_sequence_is_exempt_from_the_nrmse_limit() -> None:
     actual, reference = _states_with_noise([0, 1, 2])
-    comparison = compare(actual, reference, BF16, RFC_BF16, STATE_AXES, seq_lens=(5, 17, 1, 41))
+    comparison = compare(
+        actual, reference, BF16, RFC_BF16, STATE_AXES, seq_lens=(5, 17, 1, 41), min_tokens=MIN
+    )
     assert comparison.passed and comparison.nrmse_gated and comparison.gated_nrmse == 0.0
     assert comparison.nrmse > BF16.max_nrmse  # reported over the whole state
-    one_token = compare(actual[2:3], reference[2:3], BF16, RFC_BF16, STATE_AXES, seq_lens=(1,))
+    one_token = compare(
+        actual[2:3], reference[2:3], BF16, RFC_BF16, STATE_AXES, seq_lens=(1,), min_tokens=MIN
+    )
     assert one_token.passed and not one_token.nrmse_gated
 
 
 def test_state_of_a_long_sequence_keeps_the_nrmse_limit() -> None:
     actual, reference = _states_with_noise([3])
-    comparison = compare(actual, reference, BF16, RFC_BF16, STATE_AXES, seq_lens=(5, 17, 1, 41))
+    comparison = compare(
+        actual, reference, BF16, RFC_BF16, STATE_AXES, seq_lens=(5, 17, 1, 41), min_tokens=MIN
+    )
     assert comparison.failures == ["normalised RMSE 0.05 > 0.005 over the sequences of >= 32 tokens"]
     assert comparison.gate_ratio == pytest.approx(10, rel=1e-3)
 
@@ -51,7 +58,7 @@ def test_state_of_a_long_sequence_keeps_the_nrmse_limit() -> None:
 def test_sequence_lengths_must_match_the_states() -> None:
     actual, reference = _states_with_noise([])
     with pytest.raises(ValueError, match="3 sequence lengths for a result of 4 sequences"):
-        compare(actual, reference, BF16, RFC_BF16, STATE_AXES, seq_lens=(1, 2, 3))
+        compare(actual, reference, BF16, RFC_BF16, STATE_AXES, seq_lens=(1, 2, 3), min_tokens=MIN)
 
 
 def test_the_suite_counts_the_tokens_behind_each_state(synthetic_dumps: Path) -> None:
