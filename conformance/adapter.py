@@ -180,6 +180,9 @@ class KDAAdapter(abc.ABC):
         raise NotImplementedError(f"adapter {self.name!r} exposes no recurrent kernel")
 
 
+# The `kernel` argument's values (`--kernel`): the implementation's own default, its plain kernels, its
+# Pallas ones.
+KERNEL_CHOICES = ("auto", "naive", "pallas")
 BUILTIN_ADAPTERS = {"kda_impl": "conformance.adapters.kda_impl_adapter:KDAImplAdapter"}
 
 

@@ -184,7 +184,6 @@ class CheckRunner:
         self.adapters: dict[str, KDAAdapter] = {}
         self._guarded: dict[str, GuardedAdapter] = {}
         self._adapter_faults: dict[str, ImplementationFault] = {}
-        self._weights: dict[str, np.ndarray] | None = None
         self._case: CaseData | None = None
         self._memo: dict[tuple[Any, ...], Any] = {}
         self.position_profiles: dict[str, PositionProfile] = {}  # by check id: the long cases' windows
@@ -192,10 +191,8 @@ class CheckRunner:
     # ------------------------------------------------------------------------------------- resources
 
     def weights(self) -> dict[str, np.ndarray]:
-        """The dump's float32 weights, read and checked once."""
-        if self._weights is None:
-            self._weights = self.dumps.weights()
-        return self._weights
+        """The dump's float32 weights (read-only; `DumpSet` reads and checks them once)."""
+        return self.dumps.weights()
 
     def adapter(self, dtype: str) -> KDAAdapter:
         """The implementation for `dtype`, built once (from its own read-only copy of the weights); a

@@ -8,17 +8,23 @@ implementation under test raised, timed out or broke the adapter contract.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from conformance.adapter import AdapterImportError, KDAAdapter, load_adapter_class, parse_option_pairs
+from conformance.adapter import (
+    KERNEL_CHOICES,
+    AdapterImportError,
+    KDAAdapter,
+    load_adapter_class,
+    parse_option_pairs,
+)
 from conformance.compile_cache import enable_compile_cache
 from conformance.cpu_compile import prefer_fast_cpu_compile
 from conformance.guard import (
-    DEFAULT_CALL_TIMEOUT_S,
     EXIT_IMPLEMENTATION,
     CallWatchdog,
     ImplementationFault,
@@ -27,14 +33,14 @@ from conformance.guard import (
 from conformance.output_files import check_writable_file, clear_report_dir
 from conformance.reader import DumpError, DumpSet
 from conformance.run_platform import REQUIRABLE_PLATFORMS, platform_breaches
+from conformance.suite.options import add_implementation_options, add_selection_options, suite_options
 from conformance.tolerances import DEFAULT_POLICY_FILE, TolerancePolicy, check_growth_factor
 from kda_spec.dump_format import DTYPES
 
 if TYPE_CHECKING:
-    from conformance.suite.session import SuiteOptions
+    from conformance.suite.options import SuiteOptions
 
 SUITE_FILE = Path(__file__).with_name("suite") / "test_conformance.py"
-KERNELS = ("auto", "naive", "pallas")
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 
@@ -43,26 +49,9 @@ class UsageError(Exception):
 
 
 def _add_impl_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--impl", default="kda_impl", help="built-in adapter name or package.module:Attr")
-    parser.add_argument("--kernel", default="auto", choices=KERNELS, help="kernel of the implementation")
-    parser.add_argument(
-        "--impl-option",
-        dest="impl_options",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an option of the adapter, passed to its constructor (repeatable; see docs/adapters.md)",
-    )
-    parser.add_argument("--tolerances", default=str(DEFAULT_POLICY_FILE), help="tolerance policy file")
+    add_implementation_options(parser.add_argument)
     parser.add_argument("--tp", metavar="N", help="kda_impl's tensor-parallel size: --impl-option tp=N")
     parser.add_argument("--dp", metavar="M", help="kda_impl's data-parallel size: --impl-option dp=M")
-    parser.add_argument(
-        "--call-timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="stop the run when one adapter call takes longer (default 900; 0: no limit)",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,8 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run the conformance suite and write the reports")
     run.add_argument("--dumps", required=True, metavar="DIR_OR_URL")
     _add_impl_options(run)
-    run.add_argument("--dtypes", default="fp32,bf16", help="comma-separated subset of fp32,bf16")
-    run.add_argument("--cases", nargs="+", metavar="ID", help="case ids (default: every case of the set)")
+    add_selection_options(run.add_argument)
     run.add_argument("--report-dir", default="reports", metavar="DIR")
     run.add_argument("-k", dest="keyword", metavar="EXPR", help="only checks whose id matches (pytest -k)")
     run.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failing check")
@@ -119,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     power.add_argument("--dtype", default="all", choices=(*DTYPES, "all"))
     power.add_argument("--cases", nargs="+", metavar="ID", help="case ids (default: each defect's own)")
     power.add_argument("--defects", nargs="+", metavar="PATTERN", help="defect ids or fnmatch patterns")
-    power.add_argument("--kernel", default="auto", choices=KERNELS, help="kernel of the implementation")
+    power.add_argument("--kernel", default="auto", choices=KERNEL_CHOICES, help="the implementation's kernel")
     power.add_argument("--tolerances", default=str(DEFAULT_POLICY_FILE), help="tolerance policy file")
     power.add_argument("--report-dir", default="reports", metavar="DIR")
 
@@ -190,30 +178,15 @@ def _adapter(args: argparse.Namespace) -> tuple[type[KDAAdapter], dict[str, str]
 
 
 def _suite_options(args: argparse.Namespace, options: dict[str, str]) -> SuiteOptions:
-    from conformance.suite.session import SuiteOptions, parse_dtypes
-
     try:
-        dtypes = parse_dtypes(args.dtypes)
+        return suite_options(functools.partial(getattr, args), Path(args.report_dir), options)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    return SuiteOptions(
-        dumps=args.dumps,
-        impl=args.impl,
-        kernel=args.kernel,
-        dtypes=dtypes,
-        cases=args.cases,
-        report_dir=Path(args.report_dir),
-        tolerances=Path(args.tolerances),
-        impl_options=options,
-        call_timeout_s=_call_timeout(args),
-    )
 
 
 def _call_timeout(args: argparse.Namespace) -> float:
     try:
-        return checked_call_timeout(
-            DEFAULT_CALL_TIMEOUT_S if args.call_timeout is None else args.call_timeout
-        )
+        return checked_call_timeout(args.call_timeout)
     except ValueError as err:
         raise UsageError(str(err)) from None
 

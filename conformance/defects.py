@@ -26,7 +26,7 @@ from conformance.adapter import LayerResult
 from conformance.adapters.kda_impl_adapter import KDACarry, KDAImplAdapter
 from kda_impl.kernels import chunk_kda
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
-from kda_impl.models.kimi_linear import KimiDeltaAttention, jit_forward
+from kda_impl.models.kimi_linear import KimiDeltaAttention
 from kda_impl.parallel import mesh_sizes
 from kda_impl.weights import load_layer_weights
 from kda_spec.config import KDAConfig
@@ -115,6 +115,7 @@ class DefectiveKDAImpl(KDAImplAdapter):
     """The built-in adapter with a switchable defect (`inject`) and a layer class of choice."""
 
     name = "kda_impl with an injected defect"
+    backend_class = StateLeakBackend
 
     def __init__(
         self,
@@ -126,11 +127,10 @@ class DefectiveKDAImpl(KDAImplAdapter):
         options: Mapping[str, str] | None = None,
         layer_class: type[KimiDeltaAttention] = KimiDeltaAttention,
     ):
+        self._layer_class = layer_class  # before the built-in adapter builds its layer with `_new_layer`
         super().__init__(config, weights, dtype, kernel, options=options)
-        self._layer_class = layer_class
-        # jit_forward's step, jitted once; each `inject` binds it to new parameters (no recompilation).
-        self._step = jit_forward(self._layer(weights), return_intermediates=True).func
-        self._backend = StateLeakBackend(kernel=self._kernel)
+        # The built-in forward's jitted step; each `inject` binds it to new parameters (no recompilation).
+        self._step, (self._dump_params,) = self._forward.func, self._forward.args
         leaky_chunk = jax.jit(
             functools.partial(
                 chunk_with_state_leak,
@@ -138,24 +138,23 @@ class DefectiveKDAImpl(KDAImplAdapter):
             )
         )
         self._chunk = lambda *args, **kwargs: leaky_chunk(*args, leak=self._backend.leak[0], **kwargs)
-        self._dump_weights = weights
-        self.injection = Injection()
-        self.inject(self.injection)
+        self.inject(Injection())
 
-    def _layer(self, weights: Mapping[str, np.ndarray]) -> KimiDeltaAttention:
+    def _new_layer(self, weights: Mapping[str, np.ndarray], source: str) -> KimiDeltaAttention:
         """A layer of this adapter's class holding `weights`, on its mesh, in its run dtype."""
         module = nnx.eval_shape(
             lambda: self._layer_class(
                 self.config, self._layer_idx, self._mesh, self._run_dtype, rngs=nnx.Rngs(0)
             )
         )
-        load_layer_weights(module, weights, source="the injected weights")
+        load_layer_weights(module, weights, source)
         return module
 
     def inject(self, injection: Injection) -> None:
         """Run the next calls with `injection`'s defect (`Injection()`: none)."""
-        weights = self._dump_weights if injection.weights is None else injection.weights
-        _, params = nnx.split(self._layer(weights))
+        params = self._dump_params
+        if injection.weights is not None:
+            _, params = nnx.split(self._new_layer(injection.weights, "the injected weights"))
         self._forward = functools.partial(self._step, params)
         dp, _ = mesh_sizes(self._mesh)
         self._backend.leak = jnp.full((dp,), injection.state_leak, jnp.float32)

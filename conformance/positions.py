@@ -21,6 +21,7 @@ import numpy as np
 
 from conformance.metrics import Attribution, Comparison, Measurement, attribute, elements_outside, judge
 from conformance.tolerances import RelativeLimits, Tolerance
+from conformance.verdict import Criterion
 
 WINDOW_TOKENS = 256
 # The checks of a long case that measure the error by position: the prefill's output, or the output of
@@ -185,11 +186,23 @@ def judge_by_windows(measured: Measurement, profile: PositionProfile, source: st
         f"{len(failed)} of {len(profile.windows)} windows of {profile.window_tokens} tokens over the "
         f"relative gate (tokens {where}); the worst, {worst.start}-{worst.end}"
     )
-    relative = tuple(
-        dataclasses.replace(criterion, detail=f"{windows}: {criterion.statement()}")
-        for criterion in attribution.relative_criteria
+    return judge(
+        measured, POSITIONS_MODE, attribution, relative=_with_windows(attribution, windows, measured)
     )
-    return judge(measured, POSITIONS_MODE, attribution, relative=relative)
+
+
+def _with_windows(attribution: Attribution, windows: str, measured: Measurement) -> tuple[Criterion, ...]:
+    """The worst window's relative criteria, the first that fails prefixed with which windows fail; no
+    prefix where the result holds NaN/Inf (the finite criterion says so, and every window fails by it)."""
+    criteria, prefixed = [], measured.nonfinite > 0
+    for criterion in attribution.relative_criteria:
+        if not criterion.holds and not prefixed:
+            criterion, prefixed = (
+                dataclasses.replace(criterion, detail=f"{windows}: {criterion.statement()}"),
+                True,
+            )
+        criteria.append(criterion)
+    return tuple(criteria)
 
 
 # ------------------------------------------------------------------------------------------- files

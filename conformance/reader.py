@@ -7,12 +7,14 @@ and what was expected against what was found.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
 import math
 import posixpath
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import fsspec
@@ -25,6 +27,9 @@ from kda_spec.remote import LocationError, open_location
 
 # Result names a case file may hold (without the `_bf16` suffix); `out` is stored as out_fp32/out_bf16.
 _RESULT_NAMES = (*fmt.KERNEL_KEYS, *fmt.INTERMEDIATE_KEYS, *fmt.OPTIONAL_KEYS)
+# Decoded cases a DumpSet keeps after reading them (the most recent first), so that a run reads and
+# checks each file once; a larger set reads a case again (and checks it again) when it comes back to it.
+CASE_CACHE_BYTES = 1 << 30
 _REQUIRED_CASE_FIELDS = ("id", "file", "sha256", "seq_lens")
 _CONFIG_INT_FIELDS = ("hidden_size", "num_heads", "head_dim", "conv_size")
 _LAYER_KERNEL_PATHS = ("chunk", "fused_recurrent")
@@ -106,7 +111,9 @@ class DumpSet:
     """A dump set at a local path or fsspec URL (`gs://…` needs gcsfs).
 
     Opening reads and checks the manifest only; `weights()` and `case()` check each file's sha256,
-    keys, dtypes and shapes when they read it; `verify()` does all of it for every file.
+    keys, dtypes and shapes when they read it; `verify()` does all of it for every file. Each file is
+    read and checked once: the weights are kept, and the cases read last up to `CASE_CACHE_BYTES`
+    (a run's `verify()` then its checks read every file once). What they return is read-only.
     """
 
     def __init__(self, url: str):
@@ -124,6 +131,8 @@ class DumpSet:
         self.config = _parse_config(manifest.get("config"), where)
         self.weights_file, self.weights_sha256 = _parse_weights_block(manifest.get("weights"), where)
         self.cases: dict[str, CaseInfo] = _parse_cases(manifest, where)
+        self._weights: dict[str, np.ndarray] | None = None
+        self._cases_read: collections.OrderedDict[str, CaseData] = collections.OrderedDict()
 
     # ------------------------------------------------------------------------------------------- files
 
@@ -162,7 +171,12 @@ class DumpSet:
     # ------------------------------------------------------------------------------------------ content
 
     def weights(self) -> dict[str, np.ndarray]:
-        """The float32 weights by HF name, after checking checksum, names, dtypes and shapes."""
+        """The float32 weights by HF name, after checking checksum, names, dtypes and shapes (read once)."""
+        if self._weights is None:
+            self._weights = _read_only(self._read_weights())
+        return self._weights
+
+    def _read_weights(self) -> dict[str, np.ndarray]:
         relpath = self.weights_file
         where = self._where(relpath)
         arrays = self._read_verified_npz(relpath, self.weights_sha256)
@@ -182,9 +196,16 @@ class DumpSet:
         """The checked and decoded arrays of `case_id`."""
         if case_id not in self.cases:
             raise DumpError(f"{self.url}: no case {case_id!r}; the manifest lists {list(self.cases)}")
+        if case_id in self._cases_read:
+            self._cases_read.move_to_end(case_id)
+            return self._cases_read[case_id]
         info = self.cases[case_id]
         raw = self._read_verified_npz(info.file, info.sha256)
-        return CaseData(info, _check_case_arrays(info, raw, self.config, self._where(info.file)))
+        case = CaseData(info, _read_only(_check_case_arrays(info, raw, self.config, self._where(info.file))))
+        self._cases_read[case_id] = case
+        while _nbytes(self._cases_read.values()) > CASE_CACHE_BYTES and len(self._cases_read) > 1:
+            self._cases_read.popitem(last=False)
+        return case
 
     def verify(self) -> list[str]:
         """Check every file of the set; the list of problems found (empty when the set is sound)."""
@@ -205,6 +226,16 @@ class DumpSet:
         if unknown:
             raise DumpError(f"{self.url}: no case(s) {unknown}; the manifest lists {list(self.cases)}")
         return list(selected)
+
+
+def _read_only(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    for array in arrays.values():
+        array.flags.writeable = False
+    return arrays
+
+
+def _nbytes(cases: Iterable[CaseData]) -> int:
+    return sum(array.nbytes for case in cases for array in case.arrays.values())
 
 
 def _open_filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:

@@ -34,7 +34,7 @@ from kda_impl.model_executor.forward_batch import (
     make_dp_forward_batch,
     seq_lens_from_cu_seqlens,
 )
-from kda_impl.models.kimi_linear import jit_forward
+from kda_impl.models.kimi_linear import KimiDeltaAttention, jit_forward
 from kda_impl.parallel import make_mesh, mesh_sizes
 from kda_impl.weights import layer_from_hf_weights
 from kda_spec.config import KDAConfig
@@ -63,6 +63,7 @@ class KDAImplAdapter(KDAAdapter):
         "tp": "tensor-parallel size: heads over N devices (default 1)",
         "dp": "data-parallel size: sequences over M data ranks (default 1)",
     }
+    backend_class: ClassVar[type[KDAAttnBackend]] = KDAAttnBackend
 
     def __init__(
         self,
@@ -81,16 +82,20 @@ class KDAImplAdapter(KDAAdapter):
         self._mesh = make_mesh(tp=self.options["tp"], dp=self.options["dp"])
         # The first KDA layer of the model (layer 0 when the config lists none, as a dump's does).
         self._layer_idx = min((i - 1 for i in config.kda_layers), default=0)
-        module = layer_from_hf_weights(
-            config, self._layer_idx, weights, self._run_dtype, self._mesh, source="the dump's weights"
-        )
-        self._backend = KDAAttnBackend(kernel=self._kernel)
+        module = self._new_layer(weights, "the dump's weights")
+        self._backend = self.backend_class(kernel=self._kernel)
         self._forward = jit_forward(module, return_intermediates=True)
         self._pool: RecurrentStatePool | None = None
         self._chunk = jax.jit(functools.partial(chunk_kda, output_final_state=True, kernel=self._kernel))
         self._recurrent = jax.jit(
             functools.partial(fused_recurrent_kda, output_final_state=True, kernel=self._kernel)
         )
+
+    def _new_layer(self, weights: Mapping[str, np.ndarray], source: str) -> KimiDeltaAttention:
+        """The layer holding `weights` (named in errors as `source`), on this adapter's mesh, in its run
+        dtype."""
+        layer = self._layer_idx
+        return layer_from_hf_weights(self.config, layer, weights, self._run_dtype, self._mesh, source)
 
     @classmethod
     def parse_options(cls, options: Mapping[str, str]) -> dict[str, Any]:

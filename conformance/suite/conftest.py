@@ -8,23 +8,12 @@ from typing import Any
 
 import pytest
 
-from conformance.adapter import parse_option_pairs
 from conformance.checks import CheckSpec
-from conformance.guard import (
-    DEFAULT_CALL_TIMEOUT_S,
-    EXIT_IMPLEMENTATION,
-    ImplementationFault,
-    one_line,
-)
+from conformance.guard import EXIT_IMPLEMENTATION, ImplementationFault, one_line
 from conformance.reader import DumpError
 from conformance.report import terminal_lines
-from conformance.suite.session import (
-    ConformanceSession,
-    ProvidedSession,
-    SuiteOptions,
-    parse_dtypes,
-)
-from conformance.tolerances import DEFAULT_POLICY_FILE
+from conformance.suite.options import add_implementation_options, add_selection_options, suite_options
+from conformance.suite.session import ConformanceSession, ProvidedSession
 
 SESSION = pytest.StashKey[ConformanceSession]()
 FINAL_REPORT = pytest.StashKey[dict[str, Any]]()
@@ -33,26 +22,9 @@ FINAL_REPORT = pytest.StashKey[dict[str, Any]]()
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("conformance", "KDA conformance")
     group.addoption("--dumps", metavar="DIR_OR_URL", help="the dump set to check against (required)")
-    group.addoption("--impl", default="kda_impl", help="built-in adapter name or package.module:Attr")
-    group.addoption("--kernel", default="auto", choices=("auto", "naive", "pallas"))
-    group.addoption(
-        "--impl-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an option of the adapter, passed to its constructor (repeatable)",
-    )
-    group.addoption("--dtypes", default="fp32,bf16", help="comma-separated subset of fp32,bf16")
-    group.addoption("--cases", nargs="+", metavar="ID", help="case ids (default: every case of the set)")
+    add_implementation_options(group.addoption)
+    add_selection_options(group.addoption)
     group.addoption("--report-dir", metavar="DIR", help="write report.json and report.md here")
-    group.addoption("--tolerances", default=str(DEFAULT_POLICY_FILE), help="the tolerance policy file")
-    group.addoption(
-        "--call-timeout",
-        type=float,
-        default=DEFAULT_CALL_TIMEOUT_S,
-        metavar="SECONDS",
-        help="stop the run when one adapter call takes longer (0: no limit)",
-    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -64,17 +36,7 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError("the conformance suite needs --dumps DIR_OR_URL")
     report_dir = config.getoption("--report-dir")
     try:
-        options = SuiteOptions(
-            dumps=config.getoption("--dumps"),
-            impl=config.getoption("--impl"),
-            kernel=config.getoption("--kernel"),
-            dtypes=parse_dtypes(config.getoption("--dtypes")),
-            cases=config.getoption("--cases"),
-            report_dir=Path(report_dir) if report_dir else None,
-            tolerances=Path(config.getoption("--tolerances")),
-            impl_options=parse_option_pairs(config.getoption("--impl-option")),
-            call_timeout_s=config.getoption("--call-timeout"),
-        )
+        options = suite_options(config.getoption, Path(report_dir) if report_dir else None)
         config.stash[SESSION] = ConformanceSession(options)
     except (DumpError, ValueError) as err:
         raise pytest.UsageError(str(err)) from None

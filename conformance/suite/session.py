@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import time
 import traceback
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -15,7 +13,6 @@ import pytest
 from conformance.adapter import load_adapter_class
 from conformance.checks import CheckRunner, CheckSkipped, CheckSpec, plan
 from conformance.guard import (
-    DEFAULT_CALL_TIMEOUT_S,
     EXIT_IMPLEMENTATION,
     CallWatchdog,
     FaultLog,
@@ -27,32 +24,10 @@ from conformance.metrics import Comparison
 from conformance.positions import write_files as write_position_files
 from conformance.reader import DumpSet
 from conformance.report import Record, build_report, environment, markdown, write_json
+from conformance.suite.options import SuiteOptions
 from conformance.tolerances import TolerancePolicy
-from kda_spec.dump_format import DTYPES
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-def parse_dtypes(text: str) -> list[str]:
-    """`fp32,bf16` → ["fp32", "bf16"], or a ValueError naming the unknown."""
-    dtypes = [item.strip() for item in text.split(",") if item.strip()]
-    unknown = [dtype for dtype in dtypes if dtype not in DTYPES]
-    if unknown or not dtypes:
-        raise ValueError(f"--dtypes {text!r}: expected a comma-separated subset of {list(DTYPES)}")
-    return dtypes
-
-
-@dataclasses.dataclass(frozen=True)
-class SuiteOptions:
-    dumps: str
-    impl: str
-    kernel: str
-    dtypes: list[str]
-    cases: list[str] | None
-    report_dir: Path | None
-    tolerances: Path
-    impl_options: dict[str, str] = dataclasses.field(default_factory=dict)  # `--impl-option KEY=VALUE`
-    call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S  # 0: none
 
 
 class ConformanceSession:

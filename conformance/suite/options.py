@@ -1,0 +1,88 @@
+"""The suite's options, defined once: `python -m conformance run` adds them to its argparse parser and
+`pytest conformance/suite` to pytest's (whose `addoption` takes argparse's arguments); `diff`, `power`
+and `search` reuse the implementation's."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from conformance.adapter import KERNEL_CHOICES, parse_option_pairs
+from conformance.guard import DEFAULT_CALL_TIMEOUT_S, checked_call_timeout
+from conformance.tolerances import DEFAULT_POLICY_FILE
+from kda_spec.dump_format import DTYPES
+
+
+def parse_dtypes(text: str) -> list[str]:
+    """`fp32,bf16` → ["fp32", "bf16"], or a ValueError naming the unknown."""
+    dtypes = [item.strip() for item in text.split(",") if item.strip()]
+    unknown = [dtype for dtype in dtypes if dtype not in DTYPES]
+    if unknown or not dtypes:
+        raise ValueError(f"--dtypes {text!r}: expected a comma-separated subset of {list(DTYPES)}")
+    return dtypes
+
+
+@dataclasses.dataclass(frozen=True)
+class SuiteOptions:
+    dumps: str
+    impl: str
+    kernel: str
+    dtypes: list[str]
+    cases: list[str] | None
+    report_dir: Path | None
+    tolerances: Path
+    impl_options: dict[str, str] = dataclasses.field(default_factory=dict)  # `--impl-option KEY=VALUE`
+    call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S  # 0: none
+
+
+AddOption = Callable[..., Any]  # argparse's `add_argument`, or pytest's `addoption`
+
+
+def add_implementation_options(add: AddOption) -> None:
+    """--impl, --kernel, --impl-option, --tolerances, --call-timeout."""
+    add("--impl", default="kda_impl", help="built-in adapter name or package.module:Attr")
+    add("--kernel", default="auto", choices=KERNEL_CHOICES, help="kernel of the implementation")
+    add(
+        "--impl-option",
+        dest="impl_options",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the adapter, passed to its constructor (repeatable; see docs/adapters.md)",
+    )
+    add("--tolerances", default=str(DEFAULT_POLICY_FILE), help="the tolerance policy file")
+    add(
+        "--call-timeout",
+        dest="call_timeout",
+        type=float,
+        default=DEFAULT_CALL_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"stop the run when one adapter call takes longer (default {DEFAULT_CALL_TIMEOUT_S:g}; 0: none)",
+    )
+
+
+def add_selection_options(add: AddOption) -> None:
+    """--dtypes, --cases: which of the dump set's runs and cases the suite checks."""
+    add("--dtypes", default="fp32,bf16", help="comma-separated subset of fp32,bf16")
+    add("--cases", nargs="+", metavar="ID", help="case ids (default: every case of the set)")
+
+
+def suite_options(
+    get: Callable[[str], Any], report_dir: Path | None, impl_options: dict[str, str] | None = None
+) -> SuiteOptions:
+    """The `SuiteOptions` of parsed options, each read by its dest with `get`; `impl_options` in place of
+    the parsed `--impl-option`s (the command line adds `--tp`/`--dp` to them). A ValueError names an
+    unusable value."""
+    return SuiteOptions(
+        dumps=get("dumps"),
+        impl=get("impl"),
+        kernel=get("kernel"),
+        dtypes=parse_dtypes(get("dtypes")),
+        cases=get("cases"),
+        report_dir=report_dir,
+        tolerances=Path(get("tolerances")),
+        impl_options=parse_option_pairs(get("impl_options")) if impl_options is None else impl_options,
+        call_timeout_s=checked_call_timeout(get("call_timeout")),
+    )
