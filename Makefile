@@ -3,9 +3,9 @@
 #   make test      the project's own tests (installs the CPU torch references too), on PYTEST_WORKERS
 #                  processes (pytest-xdist; default: the CPU count, at most 4)
 # Each target installs the extras of this host's platform, PLATFORM=cpu|tpu|cuda, detected
-# (conformance/host_platform.py) unless given, with the exact pins of constraints.txt; DUMPS= or OUT= a
+# (conformance/runtime/host_platform.py) unless given, with the exact pins of constraints.txt; DUMPS= or OUT= a
 # gs:// URL installs the gcs extra too. docs/platforms.md has the commands per platform.
-# JAX's persistent compilation cache (conformance/compile_cache.py) lives in .cache/jax, or in
+# JAX's persistent compilation cache (conformance/runtime/compile_cache.py) lives in .cache/jax, or in
 # $JAX_COMPILATION_CACHE_DIR (set empty: off): `make conform` after `make test` reuses what the tests compiled.
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -14,7 +14,7 @@ PY := $(VENV)/bin/python
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 ifeq ($(origin PLATFORM),undefined)
-PLATFORM_SOURCE := $(shell $(PYTHON) -m conformance.host_platform --explain)
+PLATFORM_SOURCE := $(shell $(PYTHON) -m conformance.runtime.host_platform --explain)
 PLATFORM := $(firstword $(subst :, ,$(PLATFORM_SOURCE)))
 else
 PLATFORM_SOURCE := $(PLATFORM): as given

@@ -13,13 +13,13 @@ import argparse
 import os
 
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
-from conformance.compile_cache import enable_compile_cache
-from conformance.cpu_compile import prefer_fast_cpu_compile
+from conformance.judging.tolerances import TolerancePolicy
+from conformance.runtime.compile_cache import enable_compile_cache
+from conformance.runtime.cpu_compile import prefer_fast_cpu_compile
 from conformance.search.command import weight_sets
 from conformance.search.explore import explore
 from conformance.search.judge import Judge
 from conformance.search.space import case_strategy
-from conformance.tolerances import TolerancePolicy
 
 GOAL_PER_MINUTE = 60  # issue 25
 

@@ -48,7 +48,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from conformance.tracebacks import own_traceback
+from conformance.adapters.tracebacks import own_traceback
 from kda_spec.config import KDAConfig
 
 

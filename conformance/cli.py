@@ -22,19 +22,19 @@ from conformance.adapter import (
     load_adapter_class,
     parse_option_pairs,
 )
-from conformance.compile_cache import enable_compile_cache
-from conformance.cpu_compile import prefer_fast_cpu_compile
-from conformance.guard import (
+from conformance.adapters.guard import (
     EXIT_IMPLEMENTATION,
     CallWatchdog,
     ImplementationFault,
     checked_call_timeout,
 )
-from conformance.output_files import check_writable_file, clear_report_dir
-from conformance.reader import DumpError, DumpSet
-from conformance.run_platform import REQUIRABLE_PLATFORMS, platform_breaches
+from conformance.dumps.reader import DumpError, DumpSet
+from conformance.judging.tolerances import DEFAULT_POLICY_FILE, TolerancePolicy, check_growth_factor
+from conformance.reports.output_files import check_writable_file, clear_report_dir
+from conformance.runtime.compile_cache import enable_compile_cache
+from conformance.runtime.cpu_compile import prefer_fast_cpu_compile
+from conformance.runtime.run_platform import REQUIRABLE_PLATFORMS, platform_breaches
 from conformance.suite.options import add_implementation_options, add_selection_options, suite_options
-from conformance.tolerances import DEFAULT_POLICY_FILE, TolerancePolicy, check_growth_factor
 from kda_spec.dump_format import DTYPES
 
 if TYPE_CHECKING:
@@ -246,7 +246,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    from conformance.gate import (
+    from conformance.tools.gate import (
         ReportError,
         breaches,
         dump_set_mismatch,
@@ -290,8 +290,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from conformance.checks import CheckRunner
-    from conformance.diff import (
+    from conformance.checks.runner import CheckRunner
+    from conformance.tools.diff import (
         draw_heatmap,
         first_out_of_tolerance,
         run_stages,
@@ -337,7 +337,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_power(args: argparse.Namespace) -> int:
-    from conformance import power
+    from conformance.tools import power
 
     dumps, policy = _open_verified(args.dumps), _policy(args.tolerances)
     enable_compile_cache()

@@ -1,7 +1,8 @@
 """The float64 truth ("oracle"): the KDA layer computed again, independently, in float64.
 
 The dump writer stores it for the layer's results (dump_gen.generate); the checker computes the kernels'
-truth with the same recurrence on the dumped kernel inputs (conformance.truth), so both judge by one oracle.
+truth with the same recurrence on the dumped kernel inputs (conformance.checks.truth), so both judge
+by one oracle.
 
 numpy only, straight from the layer's math (docs/kda-layer.md, "Forward"): projections, the causal
 depthwise short conv per sequence (zero conv state at each sequence start) and silu, the gate

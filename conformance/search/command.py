@@ -17,14 +17,14 @@ import numpy as np
 from rich.console import Console
 
 from conformance.adapter import KDAAdapter
-from conformance.guard import CallWatchdog
-from conformance.reader import DumpSet
+from conformance.adapters.guard import CallWatchdog
+from conformance.dumps.reader import DumpSet
+from conformance.judging.tolerances import TolerancePolicy
 from conformance.search import reproducer
 from conformance.search.explore import SHRINK_BUDGET_S, Exploration, explore
 from conformance.search.judge import Judge
 from conformance.search.report import SearchProgress, Tally, check_table, regime_table, write_report
 from conformance.search.space import MAX_SEQS, MAX_TOKENS, case_strategy
-from conformance.tolerances import TolerancePolicy
 from dump_gen.weights import stress_weights, synthetic_weights
 from kda_spec.config import KDAConfig, get_preset
 from kda_spec.weight_names import FP32_WEIGHTS

@@ -41,15 +41,15 @@ import fsspec
 import numpy as np
 
 from conformance.adapter import KDAAdapter
-from conformance.checks import KERNEL_CHECKS, CheckRunner, CheckSkipped, CheckSpec, truth_name
-from conformance.guard import CallWatchdog, ImplementationFault
-from conformance.metrics import TruthError, error_vs_truth, relative_criteria
-from conformance.reader import DumpSet
+from conformance.adapters.guard import CallWatchdog, ImplementationFault
+from conformance.checks.runner import KERNEL_CHECKS, CheckRunner, CheckSkipped, CheckSpec, truth_name
+from conformance.checks.truth import NoTruth
+from conformance.dumps.reader import DumpSet
+from conformance.judging.metrics import TruthError, error_vs_truth, relative_criteria
+from conformance.judging.tolerances import TolerancePolicy
+from conformance.judging.verdict import decide
 from conformance.search.dumpcase import CASE_ID, case_arrays, plain_pipeline, write_case_set
 from conformance.search.space import SearchCase, case_inputs
-from conformance.tolerances import TolerancePolicy
-from conformance.truth import NoTruth
-from conformance.verdict import decide
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig
 

@@ -14,13 +14,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from conformance.adapter import KDAAdapter, load_adapter_class
-from conformance.checks import CheckRunner, CheckSkipped, CheckSpec, plan
-from conformance.guard import ImplementationFault
-from conformance.reader import DumpSet
+from conformance.adapters.guard import ImplementationFault
+from conformance.checks.runner import CheckRunner, CheckSkipped, CheckSpec, plan
+from conformance.dumps.reader import DumpSet
+from conformance.judging.tolerances import TolerancePolicy
 from conformance.search.dumpcase import CASE_ID
 from conformance.search.explore import Finding
 from conformance.search.judge import Judge
-from conformance.tolerances import TolerancePolicy
 
 REPRODUCER_DIR = "reproducer"
 

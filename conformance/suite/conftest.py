@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from conformance.checks import CheckSpec
-from conformance.guard import EXIT_IMPLEMENTATION, ImplementationFault, one_line
-from conformance.reader import DumpError
-from conformance.report import terminal_lines
+from conformance.adapters.guard import EXIT_IMPLEMENTATION, ImplementationFault, one_line
+from conformance.checks.runner import CheckSpec
+from conformance.dumps.reader import DumpError
+from conformance.reports.report import terminal_lines
 from conformance.suite.options import add_implementation_options, add_selection_options, suite_options
 from conformance.suite.session import ConformanceSession, ProvidedSession
 

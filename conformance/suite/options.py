@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from conformance.adapter import KERNEL_CHOICES, parse_option_pairs
-from conformance.guard import DEFAULT_CALL_TIMEOUT_S, checked_call_timeout
-from conformance.tolerances import DEFAULT_POLICY_FILE
+from conformance.adapters.guard import DEFAULT_CALL_TIMEOUT_S, checked_call_timeout
+from conformance.judging.tolerances import DEFAULT_POLICY_FILE
 from kda_spec.dump_format import DTYPES
 
 

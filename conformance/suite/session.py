@@ -11,21 +11,21 @@ from typing import Any
 import pytest
 
 from conformance.adapter import load_adapter_class
-from conformance.checks import CheckRunner, CheckSkipped, CheckSpec, plan
-from conformance.guard import (
+from conformance.adapters.guard import (
     EXIT_IMPLEMENTATION,
     CallWatchdog,
     FaultLog,
     ImplementationFault,
     one_line,
 )
-from conformance.junit import write_junit
-from conformance.metrics import Comparison
-from conformance.positions import write_files as write_position_files
-from conformance.reader import DumpSet
-from conformance.report import Record, build_report, environment, markdown, write_json
+from conformance.checks.runner import CheckRunner, CheckSkipped, CheckSpec, plan
+from conformance.dumps.reader import DumpSet
+from conformance.judging.metrics import Comparison
+from conformance.judging.positions import write_files as write_position_files
+from conformance.judging.tolerances import TolerancePolicy
+from conformance.reports.junit import write_junit
+from conformance.reports.report import Record, build_report, environment, markdown, write_json
 from conformance.suite.options import SuiteOptions
-from conformance.tolerances import TolerancePolicy
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from conformance.checks import CheckSpec
+from conformance.checks.runner import CheckSpec
 
 
 def test_check(spec: CheckSpec, conformance: Any, record_property: Any) -> None:

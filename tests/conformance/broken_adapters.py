@@ -3,8 +3,8 @@
 Each adapter changes one thing of the built-in `KDAImplAdapter` and keeps the rest of its serving
 path: the decay gate's sign, beta's sigmoid computed in bf16, the conv's respect for sequence
 boundaries, the conv state carried into decode, or the output by 1e-4. The beta and conv-state defects
-are `conformance.defects`' (which `python -m conformance power` injects too). The first three swap a class
-the adapter builds its layer from.
+are `conformance.adapters.defects`' (which `python -m conformance power` injects too). The first
+three swap a class the adapter builds its layer from.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import numpy as np
 
 import kda_impl.weights
 from conformance.adapters import kda_impl_adapter
+from conformance.adapters.defects import BetaSigmoidInRunDtype, without_conv_state
 from conformance.adapters.kda_impl_adapter import KDACarry, KDAImplAdapter
-from conformance.defects import BetaSigmoidInRunDtype, without_conv_state
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.layers.short_conv import short_conv_with_state
 from kda_impl.models.kimi_linear import KimiDeltaAttention

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from conformance.report import REPORT_FORMAT, REPORT_VERSION
+from conformance.reports.report import REPORT_FORMAT, REPORT_VERSION
 
 DIGEST = "a" * 64
 

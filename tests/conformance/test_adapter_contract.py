@@ -14,9 +14,9 @@ import pytest
 
 from conformance.adapter import KDAAdapter, parse_option_pairs
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
-from conformance.checks import KERNEL_CHECKS, CheckRunner, CheckSkipped, plan
-from conformance.reader import DumpSet
-from conformance.tolerances import TolerancePolicy
+from conformance.checks.runner import KERNEL_CHECKS, CheckRunner, CheckSkipped, plan
+from conformance.dumps.reader import DumpSet
+from conformance.judging.tolerances import TolerancePolicy
 
 REPO = Path(__file__).resolve().parents[2]
 ADAPTERS_DOC = REPO / "docs" / "adapters.md"

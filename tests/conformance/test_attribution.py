@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.checks import KERNEL_CHECKS, CheckRunner, CheckSkipped, CheckSpec, plan
+from conformance.checks.runner import KERNEL_CHECKS, CheckRunner, CheckSkipped, CheckSpec, plan
+from conformance.checks.truth import COMPUTED_LAYER_TRUTH_SOURCE, recurrence_fp64
 from conformance.cli import main
-from conformance.metrics import Attribution, TruthError
-from conformance.reader import DumpError, DumpSet
-from conformance.report import Record, build_report, markdown, terminal_lines
-from conformance.tolerances import RelativeLimits, TolerancePolicy
-from conformance.truth import COMPUTED_LAYER_TRUTH_SOURCE, recurrence_fp64
+from conformance.dumps.reader import DumpError, DumpSet
+from conformance.judging.metrics import Attribution, TruthError
+from conformance.judging.tolerances import RelativeLimits, TolerancePolicy
+from conformance.reports.report import Record, build_report, markdown, terminal_lines
 from kda_spec import dump_format as fmt
 from tests.conformance.numpy_adapter import NumpyAdapter, recurrent_kda
 from tests.conformance.synthetic import write_dump_set
@@ -172,7 +172,7 @@ def test_a_check_without_a_truth_says_why_and_judges_by_the_absolute_gate(
     plain_dumps: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An intermediate of a case longer than the checker computes every result for has no truth."""
-    monkeypatch.setattr("conformance.truth.COMPUTE_MAX_TOKENS", 64)
+    monkeypatch.setattr("conformance.checks.truth.COMPUTE_MAX_TOKENS", 64)
     o_norm = _runner(plain_dumps).run(CheckSpec("T65", "fp32", "o_norm"))
     assert o_norm.attribution is None and o_norm.verdict == "n/a" and o_norm.judged_by == "absolute"
     reason = (

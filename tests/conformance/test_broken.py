@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from conformance.checks import CheckRunner, CheckSkipped, CheckSpec, plan
-from conformance.gate import breaches
-from conformance.metrics import Comparison
-from conformance.reader import DumpSet
-from conformance.report import Record, build_report
-from conformance.tolerances import TolerancePolicy
+from conformance.checks.runner import CheckRunner, CheckSkipped, CheckSpec, plan
+from conformance.dumps.reader import DumpSet
+from conformance.judging.metrics import Comparison
+from conformance.judging.tolerances import TolerancePolicy
+from conformance.reports.report import Record, build_report
+from conformance.tools.gate import breaches
 from tests.conformance import broken_adapters
 from tests.conformance.numpy_adapter import NumpyAdapter
 

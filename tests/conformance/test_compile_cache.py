@@ -11,14 +11,19 @@ from pathlib import Path
 import jax
 import pytest
 
-from conformance.compile_cache import CACHE_DIR_ENV, cache_dir, default_cache_dir, enable_compile_cache
+from conformance.runtime.compile_cache import (
+    CACHE_DIR_ENV,
+    cache_dir,
+    default_cache_dir,
+    enable_compile_cache,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 # Compiles one function and prints how many executables came from the persistent cache.
 COMPILE_ONE = """
 import jax, jax.numpy as jnp
 from jax import monitoring
-from conformance.compile_cache import enable_compile_cache
+from conformance.runtime.compile_cache import enable_compile_cache
 hits = []
 monitoring.register_event_listener(
     lambda event, **_: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None

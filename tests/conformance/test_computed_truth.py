@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance import truth
-from conformance.checks import CheckRunner, CheckSpec
-from conformance.reader import DumpSet
-from conformance.tolerances import TolerancePolicy
-from conformance.truth import COMPUTED_LAYER_TRUTH_SOURCE, NoTruth, computed_layer_truth
+from conformance.checks import truth
+from conformance.checks.runner import CheckRunner, CheckSpec
+from conformance.checks.truth import COMPUTED_LAYER_TRUTH_SOURCE, NoTruth, computed_layer_truth
+from conformance.dumps.reader import DumpSet
+from conformance.judging.tolerances import TolerancePolicy
 from kda_spec import dump_format as fmt
 from tests.conformance.numpy_adapter import NumpyAdapter
 from tests.conformance.synthetic import write_dump_set

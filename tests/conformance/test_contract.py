@@ -11,13 +11,18 @@ import numpy as np
 import pytest
 
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
-from conformance.checks import CheckRunner, CheckSpec
-from conformance.diff import run_stages, table_lines
-from conformance.gate import ReportError, breaches
-from conformance.metrics import Comparison, attribute, compare, contract_check, error_vs_contract, judge
-from conformance.reader import DumpSet
-from conformance.report import Record
-from conformance.tolerances import (
+from conformance.checks.runner import CheckRunner, CheckSpec
+from conformance.checks.truth import FP32_STAGES, computed_contract_model
+from conformance.dumps.reader import DumpSet
+from conformance.judging.metrics import (
+    Comparison,
+    attribute,
+    compare,
+    contract_check,
+    error_vs_contract,
+    judge,
+)
+from conformance.judging.tolerances import (
     CONTRACT_MODE,
     DEFAULT_POLICY_FILE,
     ContractLimits,
@@ -25,7 +30,9 @@ from conformance.tolerances import (
     Tolerance,
     TolerancePolicy,
 )
-from conformance.truth import FP32_STAGES, computed_contract_model
+from conformance.reports.report import Record
+from conformance.tools.diff import run_stages, table_lines
+from conformance.tools.gate import ReportError, breaches
 from tests.conformance import broken_adapters
 from tests.conformance.policy_files import edited_policy
 from tests.conformance.report_files import criterion, report_of

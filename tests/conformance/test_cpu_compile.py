@@ -12,8 +12,13 @@ from pathlib import Path
 import jax
 import pytest
 
-from conformance import cpu_compile
-from conformance.cpu_compile import FAST_CPU_COMPILE_FLAG, FLAG_NAME, cpu_only, prefer_fast_cpu_compile
+from conformance.runtime import cpu_compile
+from conformance.runtime.cpu_compile import (
+    FAST_CPU_COMPILE_FLAG,
+    FLAG_NAME,
+    cpu_only,
+    prefer_fast_cpu_compile,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,8 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.checks import CheckRunner
-from conformance.diff import (
+from conformance.checks.runner import CheckRunner
+from conformance.dumps.reader import DumpSet
+from conformance.judging.tolerances import TolerancePolicy
+from conformance.tools.diff import (
     LAYER_KERNEL_OWN,
     LAYER_KERNEL_RERUN,
     StageResult,
@@ -18,8 +20,6 @@ from conformance.diff import (
     shown_gate,
     table_lines,
 )
-from conformance.reader import DumpSet
-from conformance.tolerances import TolerancePolicy
 from tests.conformance.numpy_adapter import NumpyAdapter, recurrent_kda
 from tests.conformance.synthetic import write_dump_set
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.checks import CheckRunner
+from conformance.checks.runner import CheckRunner
 from conformance.cli import main
-from conformance.diff import run_stages, stage_to_look_at, state_defects, state_panels, table_lines
-from conformance.reader import DumpSet
-from conformance.tolerances import TolerancePolicy
+from conformance.dumps.reader import DumpSet
+from conformance.judging.tolerances import TolerancePolicy
+from conformance.tools.diff import run_stages, stage_to_look_at, state_defects, state_panels, table_lines
 from tests.conformance.numpy_adapter import NumpyAdapter
 
 CASE = "varlen_initstate"  # 4 sequences with initial states

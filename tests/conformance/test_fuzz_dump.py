@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conformance.cli import main
-from conformance.reader import DumpSet
+from conformance.dumps.reader import DumpSet
 from kda_spec import dump_format as fmt
 from tests.conformance.synthetic import write_dump_set
 

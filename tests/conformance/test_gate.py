@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conformance.checks import CheckSpec
+from conformance.checks.runner import CheckSpec
 from conformance.cli import main
-from conformance.metrics import compare
-from conformance.report import Record, write_json
-from conformance.tolerances import DEFAULT_POLICY_FILE, Tolerance, TolerancePolicy
+from conformance.judging.metrics import compare
+from conformance.judging.tolerances import DEFAULT_POLICY_FILE, Tolerance, TolerancePolicy
+from conformance.reports.report import Record, write_json
 from tests.conformance.report_files import criterion
 from tests.conformance.report_files import report_of as _report
 

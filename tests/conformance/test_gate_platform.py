@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from conformance.cli import main
-from conformance.run_platform import platform_block
+from conformance.runtime.run_platform import platform_block
 from tests.conformance.policy_files import edited_policy
 
 REPO = Path(__file__).resolve().parents[2]

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
-from conformance.checks import CheckRunner, CheckSkipped, plan
-from conformance.reader import DumpSet
-from conformance.tolerances import TolerancePolicy
+from conformance.checks.runner import CheckRunner, CheckSkipped, plan
+from conformance.dumps.reader import DumpSet
+from conformance.judging.tolerances import TolerancePolicy
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 # One token; one chunk plus one token; a packed batch of uneven sequences with initial states.

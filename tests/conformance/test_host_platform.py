@@ -1,4 +1,4 @@
-"""The make targets' platform detection (conformance/host_platform.py), from injected host facts and
+"""The make targets' platform detection (conformance/runtime/host_platform.py), from injected host facts and
 from a stand-in file system."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.host_platform import AmbiguousHost, HostFacts, detect_platform, read_host_facts
+from conformance.runtime.host_platform import AmbiguousHost, HostFacts, detect_platform, read_host_facts
 
 TPU_V5E = ("0x1ae0", "0x0063")
 TPU_V6E = ("0x1ae0", "0x006f")

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.metrics import compare
-from conformance.tolerances import Tolerance, TolerancePolicy
+from conformance.judging.metrics import compare
+from conformance.judging.tolerances import Tolerance, TolerancePolicy
 
 FP32 = Tolerance(atol=1e-5, rtol=1e-5)
 RFC_BF16 = Tolerance(atol=1e-3, rtol=1e-3)

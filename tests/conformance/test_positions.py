@@ -1,5 +1,5 @@
-"""The long cases' error by position (conformance/positions.py): windows, the per-window relative gate,
-and the files beside report.md, on a small long-ish set (T = 1024, windows of 256 tokens)."""
+"""The long cases' error by position (conformance/judging/positions.py): windows, the per-window relative
+gate, and the files beside report.md, on a small long-ish set (T = 1024, windows of 256 tokens)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance import truth
-from conformance.checks import CheckRunner, CheckSpec, plan
+from conformance.checks import truth
+from conformance.checks.runner import CheckRunner, CheckSpec, plan
+from conformance.checks.truth import COMPUTED_LAYER_TRUTH_SOURCE
 from conformance.cli import main
-from conformance.positions import position_profile, window_bounds
-from conformance.reader import DumpError, DumpSet
-from conformance.tolerances import RelativeLimits, Tolerance, TolerancePolicy
-from conformance.truth import COMPUTED_LAYER_TRUTH_SOURCE
+from conformance.dumps.reader import DumpError, DumpSet
+from conformance.judging.positions import position_profile, window_bounds
+from conformance.judging.tolerances import RelativeLimits, Tolerance, TolerancePolicy
 from kda_spec import dump_format as fmt
 from tests.conformance.numpy_adapter import NumpyAdapter
 from tests.conformance.synthetic import write_dump_set

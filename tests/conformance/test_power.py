@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from conformance import cli, power
-from conformance.defects import Injection
-from conformance.power import GRID, POLICIES, Outcome, PowerMeter, smallest_caught
-from conformance.reader import DumpSet
-from conformance.tolerances import TolerancePolicy
+from conformance import cli
+from conformance.adapters.defects import Injection
+from conformance.dumps.reader import DumpSet
+from conformance.judging.tolerances import TolerancePolicy
+from conformance.tools import power
+from conformance.tools.power import GRID, POLICIES, Outcome, PowerMeter, smallest_caught
 from tests.conformance.synthetic import write_dump_set
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conformance.cli import main
-from conformance.reader import DumpError, DumpSet
+from conformance.dumps.reader import DumpError, DumpSet
 from kda_spec import dump_format as fmt
 from tests.conformance.synthetic import write_dump_set
 

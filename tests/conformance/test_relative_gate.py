@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
-from conformance.checks import CheckRunner, CheckSkipped, CheckSpec, plan
-from conformance.gate import ReportError, breaches, load_report
-from conformance.metrics import Comparison, attribute, compare, judge
-from conformance.reader import DumpSet
-from conformance.report import Record, write_json
-from conformance.tolerances import ModeRule, RelativeLimits, Tolerance, TolerancePolicy
+from conformance.checks.runner import CheckRunner, CheckSkipped, CheckSpec, plan
+from conformance.dumps.reader import DumpSet
+from conformance.judging.metrics import Comparison, attribute, compare, judge
+from conformance.judging.tolerances import ModeRule, RelativeLimits, Tolerance, TolerancePolicy
+from conformance.reports.report import Record, write_json
+from conformance.tools.gate import ReportError, breaches, load_report
 from tests.conformance import broken_adapters
 from tests.conformance.policy_files import edited_policy
 from tests.conformance.report_files import criterion, report_of

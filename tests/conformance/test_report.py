@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from conformance.checks import CheckSpec
-from conformance.metrics import compare, percent
-from conformance.report import Record, build_report, markdown, terminal_lines
-from conformance.tolerances import TolerancePolicy
+from conformance.checks.runner import CheckSpec
+from conformance.judging.metrics import compare, percent
+from conformance.judging.tolerances import TolerancePolicy
+from conformance.reports.report import Record, build_report, markdown, terminal_lines
 
 POLICY = TolerancePolicy.load()
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from conformance.run_platform import (
+from conformance.runtime.run_platform import (
     check_required_platform,
     kernel_execution,
     platform_block,

@@ -15,14 +15,14 @@ from hypothesis import find, given, settings
 
 from conformance import cli
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
-from conformance.reader import DumpSet
+from conformance.dumps.reader import DumpSet
+from conformance.judging.tolerances import TolerancePolicy
 from conformance.search import reproducer
 from conformance.search.command import weight_sets
 from conformance.search.dumpcase import CASE_ID
 from conformance.search.explore import explore
 from conformance.search.judge import HEADROOM, Judge
 from conformance.search.space import SearchCase, case_inputs, case_strategy, steered
-from conformance.tolerances import TolerancePolicy
 from dump_gen.weights import stress_weights, synthetic_weights
 from kda_spec.truth import sigmoid, softplus
 from tests.conformance import seeded_adapters

@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
-from conformance.checks import CheckRunner, CheckSpec
-from conformance.metrics import Comparison
-from conformance.reader import DumpSet
-from conformance.tolerances import TolerancePolicy
+from conformance.checks.runner import CheckRunner, CheckSpec
+from conformance.dumps.reader import DumpSet
+from conformance.judging.metrics import Comparison
+from conformance.judging.tolerances import TolerancePolicy
 from kda_spec import dump_format as fmt
 from kda_spec.config import get_preset
 from tests.conformance.broken_adapters import BetaInBf16

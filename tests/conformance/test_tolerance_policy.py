@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.checks import CheckRunner, CheckSpec
-from conformance.metrics import compare
-from conformance.reader import DumpSet
-from conformance.tolerances import TolerancePolicy
+from conformance.checks.runner import CheckRunner, CheckSpec
+from conformance.dumps.reader import DumpSet
+from conformance.judging.metrics import compare
+from conformance.judging.tolerances import TolerancePolicy
 from tests.conformance.numpy_adapter import NumpyAdapter
 
 POLICY = TolerancePolicy.load()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conformance.cli import main
-from conformance.safe_npz import NpzError, load_npz
+from conformance.dumps.safe_npz import NpzError, load_npz
 from kda_spec import dump_format as fmt
 from tests.conformance.synthetic import write_dump_set
 

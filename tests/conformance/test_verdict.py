@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from conformance.verdict import Criterion, decide, judged_by
+from conformance.judging.verdict import Criterion, decide, judged_by
 
 MARGIN = Criterion("absolute", "margin", 0.4, 1.0)
 NAN_FREE = Criterion("finite", "NaN/Inf values in the result", 0, 0.0)

@@ -77,8 +77,8 @@ def test_a_long_case_truth_runs_block_by_block(monkeypatch: pytest.MonkeyPatch) 
 
 @pytest.mark.parametrize("block_tokens", [5, 64])
 def test_blockwise_contract_model_is_the_whole_sequence_model(block_tokens: int) -> None:
-    """The bf16 precision contract's model of a long case (conformance.truth) is computed block by block
-    too: the same roundings, so the same values, up to a float64 sum landing on the other side of a bf16
+    """The bf16 precision contract's model of a long case (conformance.checks.truth) is computed block by
+    block too: the same roundings, so the same values, up to a float64 sum landing on the other side of a bf16
     rounding boundary in a rare element."""
     weights = run_weights(synthetic_weights(TINY_CONFIG, seed=0), "bf16")
     inputs = case_inputs(fmt.CASES_BY_ID["varlen_initstate"], TINY_CONFIG, seed=0)

@@ -16,7 +16,7 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
 import dump_gen.generate
-from conformance.reader import DumpSet
+from conformance.dumps.reader import DumpSet
 from tests.dump_gen.conftest import TINY, dump
 
 GOLDEN = Path(__file__).parents[2] / "golden"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conformance.reader import DumpError, DumpSet
+from conformance.dumps.reader import DumpError, DumpSet
 from dump_gen.cli import main
 from dump_gen.inputs import case_inputs
 from dump_gen.references.transformers_layer import TransformersReference

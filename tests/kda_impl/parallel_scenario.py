@@ -34,7 +34,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from conformance.cpu_compile import prefer_fast_cpu_compile
+from conformance.runtime.cpu_compile import prefer_fast_cpu_compile
 from dump_gen.weights import synthetic_weights
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.mem_cache.recurrent_state_pool import CONV_SPEC, RECURRENT_SPEC, RecurrentStatePool

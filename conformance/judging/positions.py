@@ -19,9 +19,16 @@ from typing import Any
 
 import numpy as np
 
-from conformance.metrics import Attribution, Comparison, Measurement, attribute, elements_outside, judge
-from conformance.tolerances import RelativeLimits, Tolerance
-from conformance.verdict import Criterion
+from conformance.judging.metrics import (
+    Attribution,
+    Comparison,
+    Measurement,
+    attribute,
+    elements_outside,
+    judge,
+)
+from conformance.judging.tolerances import RelativeLimits, Tolerance
+from conformance.judging.verdict import Criterion
 
 WINDOW_TOKENS = 256
 # The checks of a long case that measure the error by position: the prefill's output, or the output of

@@ -19,11 +19,11 @@ import rich.console
 import rich.table
 import tabulate
 
-from conformance.checks import GROUPS, CheckSpec
-from conformance.guard import fault_lines
-from conformance.metrics import VERDICTS, Comparison, percent
-from conformance.run_platform import interpret_warning, platform_block, platform_lines, platform_markdown
-from conformance.tolerances import CONTRACT_MODE
+from conformance.checks.runner import GROUPS, CheckSpec
+from conformance.adapters.guard import fault_lines
+from conformance.judging.metrics import VERDICTS, Comparison, percent
+from conformance.runtime.run_platform import interpret_warning, platform_block, platform_lines, platform_markdown
+from conformance.judging.tolerances import CONTRACT_MODE
 
 REPORT_FORMAT = "kda-conformance-report"
 REPORT_VERSION = 2
@@ -75,7 +75,7 @@ def summary_counts(records: list[Record], close_margin: float) -> dict[str, int]
 
 def environment(kernel_used: Mapping[str, str]) -> dict[str, Any]:
     """Device and versions of the run, and the platform it ran on with how each dtype's kernels ran
-    (`platform`: conformance/run_platform.py)."""
+    (`platform`: conformance/runtime/run_platform.py)."""
     import jax
 
     versions = {}

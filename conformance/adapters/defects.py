@@ -6,7 +6,7 @@ the jitted forward, swapped for new ones of the same shapes), a packed prefill t
 sequence's final state into the next sequence's start (the leak weight is an array that travels through
 jit with the batch), decode calls that forget the conv state. A moved bf16 rounding is a different
 layer class (`BetaSigmoidInRunDtype`), given to the constructor: one compilation per class.
-`python -m conformance power` (conformance/power.py) drives it; the test suite's broken adapters reuse
+`python -m conformance power` (conformance/tools/power.py) drives it; the test suite's broken adapters reuse
 the pieces.
 """
 

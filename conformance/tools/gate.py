@@ -1,7 +1,7 @@
 """The CI gate: does a report hold, and did any error grow too much over a baseline report?
 
 Nothing in a report is taken on trust: each passed check's verdict is decided again by the suite's own
-engine (`conformance.verdict.decide`) from the criteria it records — each statistic with the numbers
+engine (`conformance.judging.verdict.decide`) from the criteria it records — each statistic with the numbers
 of its bound — and its gate mode; a check the baseline has and the report lacks is a breach, and two
 reports are only compared when they were made on the same dump set (the sha256 of its manifest).
 """
@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from conformance.report import REPORT_FORMAT, REPORT_VERSION, STATUSES
-from conformance.verdict import MODE_GATES, Criterion, Verdict, decide
+from conformance.judging.verdict import MODE_GATES, Criterion, Verdict, decide
+from conformance.reports.report import REPORT_FORMAT, REPORT_VERSION, STATUSES
 
 _CHECK_TEXT_FIELDS = ("id", "status", "message")
 
@@ -88,8 +88,8 @@ def _check_structure(check: Any, label: str) -> None:
 
 
 def _recorded_verdict(metrics: dict[str, Any], label: str) -> Verdict:
-    """A passed check's verdict, decided again (`conformance.verdict.decide`) from the criteria and the
-    gate mode it records; a ReportError names what is malformed, missing or impossible."""
+    """A passed check's verdict, decided again (`conformance.judging.verdict.decide`) from the criteria
+    and the gate mode it records; a ReportError names what is malformed, missing or impossible."""
     mode = metrics.get("mode")
     if mode not in MODE_GATES:
         raise ReportError(f"{label}: metrics 'mode' must be one of {list(MODE_GATES)}, found {mode!r}")

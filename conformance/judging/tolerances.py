@@ -9,8 +9,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from conformance.run_platform import check_required_platform
-from conformance.verdict import MODE_GATES
+from conformance.judging.verdict import MODE_GATES
+from conformance.runtime.run_platform import check_required_platform
 from kda_spec.dump_format import DTYPES
 
 DEFAULT_POLICY_FILE = Path(__file__).with_name("tolerances.toml")

@@ -1,7 +1,7 @@
 """`python -m conformance power`: the smallest injected defect the suite catches (docs/tolerance-policy.md,
 "The suite's power").
 
-Each defect is injected into the built-in implementation (`conformance.defects.DefectiveKDAImpl`) and
+Each defect is injected into the built-in implementation (`conformance.adapters.defects.DefectiveKDAImpl`) and
 the suite's checks run in-process on a few cases that exercise it. A defect is *caught* under a policy
 when at least one of those checks fails under it: `default`, the policy file as it is (the relative gate
 where it decides), and `absolute`, the same file with every check judged by its absolute limits alone
@@ -29,12 +29,12 @@ from typing import Any
 import numpy as np
 import tabulate
 
-from conformance.checks import CheckRunner, CheckSkipped, CheckSpec, case_checks, group_of
-from conformance.defects import BetaSigmoidInRunDtype, DefectiveKDAImpl, Injection
-from conformance.output_files import check_writable_file
-from conformance.reader import DumpSet
-from conformance.report import format_text_table, write_json
-from conformance.tolerances import TolerancePolicy
+from conformance.adapters.defects import BetaSigmoidInRunDtype, DefectiveKDAImpl, Injection
+from conformance.checks.runner import CheckRunner, CheckSkipped, CheckSpec, case_checks, group_of
+from conformance.dumps.reader import DumpSet
+from conformance.judging.tolerances import TolerancePolicy
+from conformance.reports.output_files import check_writable_file
+from conformance.reports.report import format_text_table, write_json
 from kda_impl.models.kimi_linear import KimiDeltaAttention
 from kda_spec import dump_format as fmt
 
@@ -55,7 +55,7 @@ class Defect:
     description: str
     structural: bool
     inject: Callable[[Mapping[str, np.ndarray], float], Injection]
-    groups: frozenset[str]  # the check groups it can reach (conformance.checks.GROUPS)
+    groups: frozenset[str]  # the check groups it can reach (conformance.checks.runner.GROUPS)
     preferred_cases: tuple[str, ...]
     exercised_by: Callable[[tuple[int, ...]], bool]
     layer_class: type[KimiDeltaAttention] = KimiDeltaAttention

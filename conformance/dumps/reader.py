@@ -20,7 +20,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from conformance.safe_npz import NpzError, load_npz
+from conformance.dumps.safe_npz import NpzError, load_npz
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig
 from kda_spec.remote import LocationError, open_location
@@ -396,7 +396,7 @@ def _check_case_arrays(
     arrays: dict[str, np.ndarray] = {}
     for key, array in raw.items():
         truth = fmt.split_truth_key(key)
-        if truth is not None:  # a float64 truth (conformance/truth.py), kept in float64
+        if truth is not None:  # a float64 truth (conformance/checks/truth.py), kept in float64
             if array.dtype != np.float64:
                 raise DumpError(f"{where}: key {key!r}: expected dtype float64, found {array.dtype}")
             shape = fmt.expected_shape(truth[0], tokens=tokens, num_seqs=num_seqs, config=block)

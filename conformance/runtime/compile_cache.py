@@ -23,7 +23,7 @@ MIN_COMPILE_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 # default (1 s) would keep almost none of them.
 MIN_COMPILE_TIME_S = 0.0
 
-_CHECKOUT = Path(__file__).resolve().parents[1]
+_CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 class CompileCacheWarning(UserWarning):

@@ -15,9 +15,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from conformance import sequences
 from conformance.adapter import KDAAdapter, LayerResult
-from conformance.guard import (
+from conformance.adapters.guard import (
     CallShapes,
     CallWatchdog,
     FaultLog,
@@ -28,27 +27,8 @@ from conformance.guard import (
     checked_layer_result,
     read_only_weights,
 )
-from conformance.metrics import (
-    Attribution,
-    Comparison,
-    ContractCheck,
-    StatisticRows,
-    attribute,
-    contract_check,
-    judge,
-    measure,
-)
-from conformance.positions import (
-    DECODE_POSITIONS,
-    LAYER_POSITIONS,
-    POSITION_CHECKS,
-    PositionProfile,
-    judge_by_windows,
-    position_profile,
-)
-from conformance.reader import CaseData, CaseInfo, DumpSet
-from conformance.tolerances import CONTRACT_MODE, TolerancePolicy
-from conformance.truth import (
+from conformance.checks import sequences
+from conformance.checks.truth import (
     COMPUTED_LAYER_TRUTH_SOURCE,
     CONTRACT_SOURCE,
     FP32_STAGES,
@@ -61,6 +41,26 @@ from conformance.truth import (
     recurrence_fp64,
     stored_truth,
 )
+from conformance.dumps.reader import CaseData, CaseInfo, DumpSet
+from conformance.judging.metrics import (
+    Attribution,
+    Comparison,
+    ContractCheck,
+    StatisticRows,
+    attribute,
+    contract_check,
+    judge,
+    measure,
+)
+from conformance.judging.positions import (
+    DECODE_POSITIONS,
+    LAYER_POSITIONS,
+    POSITION_CHECKS,
+    PositionProfile,
+    judge_by_windows,
+    position_profile,
+)
+from conformance.judging.tolerances import CONTRACT_MODE, TolerancePolicy
 from kda_spec import dump_format as fmt
 
 # Kernel checks: check name → (kernel path as in the dump keys, which result).
@@ -121,8 +121,9 @@ def case_checks(seq_lens: tuple[int, ...]) -> list[str]:
 
 
 def long_case_checks(info: CaseInfo) -> list[str]:
-    """The checks of a long case (group `long`): its output by position (conformance/positions.py), and
-    the whole prefill and its state, or the decode steps the case asks for."""
+    """The checks of a long case (group `long`): its output by position
+    (conformance/judging/positions.py), and the whole prefill and its state, or the decode steps the
+    case asks for."""
     if info.decode_steps:
         return [f"decode-k{info.decode_steps}", DECODE_POSITIONS]
     return ["layer", "layer-state", LAYER_POSITIONS]
@@ -162,7 +163,7 @@ def _decode_run(check: str) -> int | None:
 class CheckRunner:
     """Computes checks through one adapter per dtype, caching layer calls within the current case.
 
-    Every adapter call goes through `conformance.guard` (copied arguments, checked results, faults
+    Every adapter call goes through `conformance.adapters.guard` (copied arguments, checked results, faults
     logged in `faults`, each call watched by `watchdog` when there is one)."""
 
     def __init__(
@@ -374,7 +375,7 @@ class CheckRunner:
     def layer_truth(self, case: CaseData, name: str, dtype: str) -> tuple[np.ndarray, str]:
         """The float64 truth of layer result `name` and its source: the dump's stored one, else the one
         computed here from the dump's inputs and weights, whatever wrote the set
-        (`conformance.truth.computed_layer_truth`); `NoTruth` where that computation has no `name`."""
+        (`conformance.checks.truth.computed_layer_truth`); `NoTruth` where that computation has no `name`."""
         try:
             return stored_truth(case, name, dtype), f"dump: {fmt.truth_key(name, dtype)}"
         except NoTruth:

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from conformance.tolerances import CONTRACT_MODE, ContractLimits, RelativeLimits, Tolerance
-from conformance.verdict import Criterion, Verdict, decide
+from conformance.judging.tolerances import CONTRACT_MODE, ContractLimits, RelativeLimits, Tolerance
+from conformance.judging.verdict import Criterion, Verdict, decide
 
 # Who a check's difference comes from, judged against the float64 truth (docs/tolerance-policy.md).
 VERDICTS = ("impl", "reference", "both", "conditioning")

@@ -1,7 +1,7 @@
 """Which accelerator this host has, `tpu`, `cuda` or `cpu`: the make targets install that platform's extras.
 
 `make` asks before any virtualenv exists, so this module uses the standard library alone:
-`python3 -m conformance.host_platform` prints the name, `--explain` what it was told by. The facts are
+`python3 -m conformance.runtime.host_platform` prints the name, `--explain` what it was told by. The facts are
 the ones JAX's own start-up looks at: a TPU VM's chips on the PCI bus (Google's vendor id and a TPU
 device id) or its `/dev/accel*` devices, and NVIDIA's driver (`/proc/driver/nvidia/version`,
 `/dev/nvidiactl`, `/dev/nvidia0`). `PLATFORM=cpu|tpu|cuda` on the make line overrides the answer.
@@ -88,7 +88,7 @@ def detect_platform(facts: HostFacts) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m conformance.host_platform", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python3 -m conformance.runtime.host_platform", description=__doc__)
     parser.add_argument("--explain", action="store_true", help="print what the answer rests on too")
     args = parser.parse_args(argv)
     try:

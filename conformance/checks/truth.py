@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from conformance.reader import CaseData
+from conformance.dumps.reader import CaseData
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig
 from kda_spec.truth import (

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-from conformance.checks import KERNEL_INPUTS, CheckRunner, CheckSkipped, CheckSpec
-from conformance.guard import LAYER_KERNEL_OUTPUT
-from conformance.metrics import Comparison
-from conformance.reader import CaseData
-from conformance.report import format_text_table
-from conformance.tolerances import CONTRACT_MODE
+from conformance.adapters.guard import LAYER_KERNEL_OUTPUT
+from conformance.checks.runner import KERNEL_INPUTS, CheckRunner, CheckSkipped, CheckSpec
+from conformance.dumps.reader import CaseData
+from conformance.judging.metrics import Comparison
+from conformance.judging.tolerances import CONTRACT_MODE
+from conformance.reports.report import format_text_table
 from kda_spec import dump_format as fmt
 
 LAYER_KERNEL_RERUN = "o_kda (the kernel on the layer's inputs)"

@@ -1,0 +1,1 @@
+"""What a run writes: report.json / report.md, the terminal tables, junit.xml, the report folder."""
