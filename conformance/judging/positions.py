@@ -19,14 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from conformance.judging.metrics import (
-    Attribution,
-    Comparison,
-    Measurement,
-    attribute,
-    elements_outside,
-    judge,
-)
+from conformance.judging.attribution import Attribution, attribute
+from conformance.judging.comparison import Comparison, judge
+from conformance.judging.measurement import Measurement, elements_outside
 from conformance.judging.tolerances import RelativeLimits, Tolerance
 from conformance.judging.verdict import Criterion
 
@@ -160,7 +155,7 @@ def position_profile(
 ) -> PositionProfile:
     """`actual` (the implementation's output [T, hidden]) and `expected` (the reference's) against their
     float64 `truth`, window by window of tokens (rows). A window is `apart` when the two sides differ by
-    more than `tolerance` in it, as a whole check is (`metrics.attribute`)."""
+    more than `tolerance` in it, as a whole check is (`attribution.attribute`)."""
     a, b, t = (np.asarray(x, np.float64) for x in (actual, expected, truth))
     if not a.shape == b.shape == t.shape or a.ndim < 1:
         raise ValueError(

@@ -19,9 +19,11 @@ import rich.console
 import rich.table
 import tabulate
 
-from conformance.checks.runner import GROUPS, CheckSpec
+from conformance.checks.catalogue import GROUPS, CheckSpec
 from conformance.adapters.guard import fault_lines
-from conformance.judging.metrics import VERDICTS, Comparison, percent
+from conformance.judging.attribution import VERDICTS
+from conformance.judging.comparison import Comparison
+from conformance.judging.measurement import percent
 from conformance.runtime.run_platform import interpret_warning, platform_block, platform_lines, platform_markdown
 from conformance.judging.tolerances import CONTRACT_MODE
 

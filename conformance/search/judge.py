@@ -42,10 +42,11 @@ import numpy as np
 
 from conformance.adapter import KDAAdapter
 from conformance.adapters.guard import CallWatchdog, ImplementationFault
-from conformance.checks.runner import KERNEL_CHECKS, CheckRunner, CheckSkipped, CheckSpec, truth_name
+from conformance.checks.catalogue import KERNEL_CHECKS, CheckSkipped, CheckSpec, truth_name
+from conformance.checks.runner import CheckRunner
 from conformance.checks.truth import NoTruth
 from conformance.dumps.reader import DumpSet
-from conformance.judging.metrics import TruthError, error_vs_truth, relative_criteria
+from conformance.judging.attribution import TruthError, error_vs_truth, relative_criteria
 from conformance.judging.tolerances import TolerancePolicy
 from conformance.judging.verdict import decide
 from conformance.search.dumpcase import CASE_ID, case_arrays, plain_pipeline, write_case_set

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from conformance.adapter import KDAAdapter, load_adapter_class
 from conformance.adapters.guard import ImplementationFault
-from conformance.checks.runner import CheckRunner, CheckSkipped, CheckSpec, plan
+from conformance.checks.catalogue import CheckSkipped, CheckSpec, plan
+from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
 from conformance.judging.tolerances import TolerancePolicy
 from conformance.search.dumpcase import CASE_ID

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from conformance.adapters.guard import EXIT_IMPLEMENTATION, ImplementationFault, one_line
-from conformance.checks.runner import CheckSpec
+from conformance.checks.catalogue import CheckSpec
 from conformance.dumps.reader import DumpError
 from conformance.reports.report import terminal_lines
 from conformance.suite.options import add_implementation_options, add_selection_options, suite_options

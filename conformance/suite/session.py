@@ -18,9 +18,10 @@ from conformance.adapters.guard import (
     ImplementationFault,
     one_line,
 )
-from conformance.checks.runner import CheckRunner, CheckSkipped, CheckSpec, plan
+from conformance.checks.catalogue import CheckSkipped, CheckSpec, plan
+from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
-from conformance.judging.metrics import Comparison
+from conformance.judging.comparison import Comparison
 from conformance.judging.positions import write_files as write_position_files
 from conformance.judging.tolerances import TolerancePolicy
 from conformance.reports.junit import write_junit

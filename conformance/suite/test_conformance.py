@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from conformance.checks.runner import CheckSpec
+from conformance.checks.catalogue import CheckSpec
 
 
 def test_check(spec: CheckSpec, conformance: Any, record_property: Any) -> None:

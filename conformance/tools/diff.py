@@ -27,9 +27,11 @@ from pathlib import Path
 import numpy as np
 
 from conformance.adapters.guard import LAYER_KERNEL_OUTPUT
-from conformance.checks.runner import KERNEL_INPUTS, CheckRunner, CheckSkipped, CheckSpec
+from conformance.checks.catalogue import CheckSkipped, CheckSpec
+from conformance.checks.runner import CheckRunner
+from conformance.checks.truth import KERNEL_INPUTS
 from conformance.dumps.reader import CaseData
-from conformance.judging.metrics import Comparison
+from conformance.judging.comparison import Comparison
 from conformance.judging.tolerances import CONTRACT_MODE
 from conformance.reports.report import format_text_table
 from kda_spec import dump_format as fmt

@@ -30,7 +30,8 @@ import numpy as np
 import tabulate
 
 from conformance.adapters.defects import BetaSigmoidInRunDtype, DefectiveKDAImpl, Injection
-from conformance.checks.runner import CheckRunner, CheckSkipped, CheckSpec, case_checks, group_of
+from conformance.checks.catalogue import CheckSkipped, CheckSpec, case_checks, group_of
+from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
 from conformance.judging.tolerances import TolerancePolicy
 from conformance.reports.output_files import check_writable_file
@@ -55,7 +56,7 @@ class Defect:
     description: str
     structural: bool
     inject: Callable[[Mapping[str, np.ndarray], float], Injection]
-    groups: frozenset[str]  # the check groups it can reach (conformance.checks.runner.GROUPS)
+    groups: frozenset[str]  # the check groups it can reach (conformance.checks.catalogue.GROUPS)
     preferred_cases: tuple[str, ...]
     exercised_by: Callable[[tuple[int, ...]], bool]
     layer_class: type[KimiDeltaAttention] = KimiDeltaAttention

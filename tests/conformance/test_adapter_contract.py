@@ -14,7 +14,8 @@ import pytest
 
 from conformance.adapter import KDAAdapter, parse_option_pairs
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
-from conformance.checks.runner import KERNEL_CHECKS, CheckRunner, CheckSkipped, plan
+from conformance.checks.catalogue import KERNEL_CHECKS, CheckSkipped, plan
+from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
 from conformance.judging.tolerances import TolerancePolicy
 

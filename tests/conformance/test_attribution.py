@@ -10,11 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.checks.runner import KERNEL_CHECKS, CheckRunner, CheckSkipped, CheckSpec, plan
+from conformance.checks.catalogue import KERNEL_CHECKS, CheckSkipped, CheckSpec, plan
+from conformance.checks.runner import CheckRunner
 from conformance.checks.truth import COMPUTED_LAYER_TRUTH_SOURCE, recurrence_fp64
 from conformance.cli import main
 from conformance.dumps.reader import DumpError, DumpSet
-from conformance.judging.metrics import Attribution, TruthError
+from conformance.judging.attribution import Attribution, TruthError
 from conformance.judging.tolerances import RelativeLimits, TolerancePolicy
 from conformance.reports.report import Record, build_report, markdown, terminal_lines
 from kda_spec import dump_format as fmt

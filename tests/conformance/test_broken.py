@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from conformance.checks.runner import CheckRunner, CheckSkipped, CheckSpec, plan
+from conformance.checks.catalogue import CheckSkipped, CheckSpec, plan
+from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
-from conformance.judging.metrics import Comparison
+from conformance.judging.comparison import Comparison
 from conformance.judging.tolerances import TolerancePolicy
 from conformance.reports.report import Record, build_report
 from conformance.tools.gate import breaches

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from conformance.checks import truth
-from conformance.checks.runner import CheckRunner, CheckSpec
+from conformance.checks.catalogue import CheckSpec
+from conformance.checks.runner import CheckRunner
 from conformance.checks.truth import COMPUTED_LAYER_TRUTH_SOURCE, NoTruth, computed_layer_truth
 from conformance.dumps.reader import DumpSet
 from conformance.judging.tolerances import TolerancePolicy

@@ -11,17 +11,13 @@ import numpy as np
 import pytest
 
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
-from conformance.checks.runner import CheckRunner, CheckSpec
+from conformance.checks.catalogue import CheckSpec
+from conformance.checks.runner import CheckRunner
 from conformance.checks.truth import FP32_STAGES, computed_contract_model
 from conformance.dumps.reader import DumpSet
-from conformance.judging.metrics import (
-    Comparison,
-    attribute,
-    compare,
-    contract_check,
-    error_vs_contract,
-    judge,
-)
+from conformance.judging.attribution import attribute
+from conformance.judging.comparison import Comparison, compare, judge
+from conformance.judging.contract import contract_check, error_vs_contract
 from conformance.judging.tolerances import (
     CONTRACT_MODE,
     DEFAULT_POLICY_FILE,

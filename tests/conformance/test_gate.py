@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conformance.checks.runner import CheckSpec
+from conformance.checks.catalogue import CheckSpec
 from conformance.cli import main
-from conformance.judging.metrics import compare
+from conformance.judging.comparison import compare
 from conformance.judging.tolerances import DEFAULT_POLICY_FILE, Tolerance, TolerancePolicy
 from conformance.reports.report import Record, write_json
 from tests.conformance.report_files import criterion

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
-from conformance.checks.runner import CheckRunner, CheckSkipped, plan
+from conformance.checks.catalogue import CheckSkipped, plan
+from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
 from conformance.judging.tolerances import TolerancePolicy
 

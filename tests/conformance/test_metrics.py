@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.judging.metrics import compare
+from conformance.judging.comparison import compare
 from conformance.judging.tolerances import Tolerance, TolerancePolicy
 
 FP32 = Tolerance(atol=1e-5, rtol=1e-5)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from conformance.checks import truth
-from conformance.checks.runner import CheckRunner, CheckSpec, plan
+from conformance.checks.catalogue import CheckSpec, plan
+from conformance.checks.runner import CheckRunner
 from conformance.checks.truth import COMPUTED_LAYER_TRUTH_SOURCE
 from conformance.cli import main
 from conformance.dumps.reader import DumpError, DumpSet

@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
-from conformance.checks.runner import CheckRunner, CheckSkipped, CheckSpec, plan
+from conformance.checks.catalogue import CheckSkipped, CheckSpec, plan
+from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
-from conformance.judging.metrics import Comparison, attribute, compare, judge
+from conformance.judging.attribution import attribute
+from conformance.judging.comparison import Comparison, compare, judge
 from conformance.judging.tolerances import ModeRule, RelativeLimits, Tolerance, TolerancePolicy
 from conformance.reports.report import Record, write_json
 from conformance.tools.gate import ReportError, breaches, load_report

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from conformance.checks.runner import CheckSpec
-from conformance.judging.metrics import compare, percent
+from conformance.checks.catalogue import CheckSpec
+from conformance.judging.comparison import compare
+from conformance.judging.measurement import percent
 from conformance.judging.tolerances import TolerancePolicy
 from conformance.reports.report import Record, build_report, markdown, terminal_lines
 

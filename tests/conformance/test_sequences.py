@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 
 from conformance.checks import sequences
-from conformance.checks.runner import case_checks
+from conformance.checks.catalogue import case_checks
 
 
 def test_decode_lengths_leave_a_prefill_in_every_sequence() -> None:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
-from conformance.checks.runner import CheckRunner, CheckSpec
+from conformance.checks.catalogue import CheckSpec
+from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
-from conformance.judging.metrics import Comparison
+from conformance.judging.comparison import Comparison
 from conformance.judging.tolerances import TolerancePolicy
 from kda_spec import dump_format as fmt
 from kda_spec.config import get_preset

@@ -7,9 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.checks.runner import CheckRunner, CheckSpec
+from conformance.checks.catalogue import CheckSpec
+from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
-from conformance.judging.metrics import compare
+from conformance.judging.comparison import compare
 from conformance.judging.tolerances import TolerancePolicy
 from tests.conformance.numpy_adapter import NumpyAdapter
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conformance.judging.metrics import error_vs_truth, excess
+from conformance.judging.attribution import error_vs_truth, excess
 from conformance.judging.tolerances import TolerancePolicy
 from dump_gen.weights import synthetic_weights
 from kda_impl.kernels.common import softplus

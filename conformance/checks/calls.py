@@ -1,0 +1,272 @@
+"""How the suite calls the implementation under test for a case: one prefill, the kernels on the
+dumped inputs, prefill → decode, chunked prefill.
+
+`ImplementationCalls` builds one adapter per dtype and calls it through `conformance.adapters.guard`
+(copied arguments, checked results, faults logged in `faults`, each call watched by `watchdog` when
+there is one); each result is computed once per case for every check that needs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from conformance.adapter import KDAAdapter, LayerResult
+from conformance.adapters.guard import (
+    CallShapes,
+    CallWatchdog,
+    FaultLog,
+    GuardedAdapter,
+    ImplementationFault,
+    build_adapter,
+    checked_kernel_result,
+    checked_layer_result,
+    read_only_weights,
+)
+from conformance.checks import sequences
+from conformance.checks.catalogue import CheckSkipped
+from conformance.checks.truth import KERNEL_INPUTS
+from conformance.dumps.reader import CaseData, DumpSet
+from kda_spec import dump_format as fmt
+
+
+def l2norm(x: np.ndarray) -> np.ndarray:
+    """Per-head L2 normalisation in fp32, as the kernels expect q and k (kda-layer.md step 5)."""
+    x = np.asarray(x, np.float32)
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + np.float32(1e-6))
+
+
+class ImplementationCalls:
+    """The implementation's results for the checks of one case at a time, each computed once."""
+
+    def __init__(
+        self,
+        dumps: DumpSet,
+        adapter_class: type[KDAAdapter],
+        kernel: str,
+        options: Mapping[str, str] | None = None,
+        watchdog: CallWatchdog | None = None,
+    ):
+        self.dumps = dumps
+        self.adapter_class = adapter_class
+        self.kernel = kernel
+        self.options = dict(options or {})  # the adapter's `--impl-option`s
+        self.watchdog = watchdog
+        self.faults = FaultLog()
+        self.adapters: dict[str, KDAAdapter] = {}
+        self._guarded: dict[str, GuardedAdapter] = {}
+        self._adapter_faults: dict[str, ImplementationFault] = {}
+        self._case: CaseData | None = None
+        self._memo: dict[tuple[Any, ...], Any] = {}
+
+    # ------------------------------------------------------------------------------------- resources
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """The dump's float32 weights (read-only; `DumpSet` reads and checks them once)."""
+        return self.dumps.weights()
+
+    def adapter(self, dtype: str) -> KDAAdapter:
+        """The implementation for `dtype`, built once (from its own read-only copy of the weights); a
+        failure to build it is an `ImplementationFault`, raised afresh to every check that needs it."""
+        if dtype in self._adapter_faults:
+            raise self._adapter_faults[dtype].fresh()
+        if dtype not in self.adapters:
+            label = f"{self.adapter_class.__name__}(config, weights, {dtype!r}, {self.kernel!r})"
+            args = (self.dumps.config, read_only_weights(self.weights()), dtype, self.kernel)
+            try:
+                adapter = build_adapter(
+                    self.adapter_class, label, args, {"options": self.options}, self.faults
+                )
+            except ImplementationFault as fault:
+                self._adapter_faults[dtype] = fault
+                raise
+            self.adapters[dtype] = adapter
+            self._guarded[dtype] = GuardedAdapter(adapter, self.watchdog, self.faults)
+        return self.adapters[dtype]
+
+    def use_adapter(self, dtype: str, adapter: KDAAdapter) -> None:
+        """Run the `dtype` checks on `adapter` from now on (`conformance power`'s injected ones)."""
+        self.adapters[dtype] = adapter
+        self._guarded[dtype] = GuardedAdapter(adapter, self.watchdog, self.faults)
+        self._adapter_faults.pop(dtype, None)
+
+    def case(self, case_id: str) -> CaseData:
+        if self._case is None or self._case.info.case_id != case_id:
+            self._memo.clear()
+            self._case = None  # free the previous case before reading the next
+            self._case = self.dumps.case(case_id)
+        return self._case
+
+    def _memoized(self, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
+        """compute() once per case; a failure too, so that the checks sharing it do not repeat it (a
+        fault or skip raised afresh to each, so that no traceback grows)."""
+        if key not in self._memo:
+            try:
+                self._memo[key] = (True, compute())
+            except Exception as err:
+                self._memo[key] = (False, err)
+        ok, value = self._memo[key]
+        if ok:
+            return value
+        if isinstance(value, ImplementationFault):
+            raise value.fresh()
+        if isinstance(value, CheckSkipped):
+            raise CheckSkipped(str(value))
+        raise value
+
+    # -------------------------------------------------------------------------------- computations
+
+    @staticmethod
+    def inputs(case: CaseData, dtype: str) -> np.ndarray:
+        """hidden_states as the run sees them: rounded to bf16 for the bf16 run."""
+        if dtype == "bf16":
+            return case.hidden_states.astype(ml_dtypes.bfloat16).astype(np.float32)
+        return case.hidden_states
+
+    def layer(self, case: CaseData, dtype: str) -> LayerResult:
+        """One prefill of the whole case."""
+        return self._memoized(
+            ("layer", dtype),
+            lambda: self._extend(dtype, self.inputs(case, dtype), case.cu_seqlens, case.initial_state),
+        )
+
+    def kernel_on_dump(self, case: CaseData, dtype: str, path: str) -> tuple[np.ndarray, np.ndarray]:
+        """The chunk or recurrent kernel on the dumped q, k, v, g, beta of this run."""
+        missing = [fmt.result_key(name, dtype) for name in KERNEL_INPUTS if case.result(name, dtype) is None]
+        if missing:
+            raise CheckSkipped(f"the dump has no {missing}: the kernel inputs are not in it")
+        stages = {name: case.result(name, dtype) for name in KERNEL_INPUTS}
+        return self._memoized(("kernel", dtype, path), lambda: self.run_kernel(case, dtype, path, stages))
+
+    def run_kernel(
+        self, case: CaseData, dtype: str, path: str, stages: dict[str, np.ndarray]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The `path` kernel ("chunk" or "fused_recurrent") on the conv outputs, g and beta in `stages`."""
+        q, k, v, g, beta = (np.asarray(stages[name]) for name in KERNEL_INPUTS)
+        method = "chunk_kernel" if path == "chunk" else "recurrent_kernel"
+        arguments = {
+            "q": l2norm(q), "k": l2norm(k), "v": v, "g": g, "beta": beta,
+            "cu_seqlens": case.cu_seqlens, "initial_state": case.initial_state,
+        }  # fmt: skip
+        shapes = self._shapes(len(q), len(case.cu_seqlens) - 1)
+        return self._call(dtype, method, arguments, checked_kernel_result, shapes)
+
+    def decode(self, case: CaseData, dtype: str, k: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """Prefill all but the last k tokens of each sequence, then decode k steps.
+
+        Returns the decoded output rows and their token positions in the case. Sequences that need
+        fewer steps than the longest one are fed zero tokens afterwards, whose outputs are ignored.
+        """
+        out, token_rows = self.decode_full(case, dtype, k)
+        return out[token_rows], token_rows
+
+    def decode_full(self, case: CaseData, dtype: str, k: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """`decode`'s run with every output row: the prefill's, then the decoded ones (a long case's
+        output by position); and the decoded rows' positions."""
+        return self._memoized(("decode", dtype, k), lambda: self._decode(case, dtype, k))
+
+    def _decode(self, case: CaseData, dtype: str, k: int | None) -> tuple[np.ndarray, np.ndarray]:
+        seq_lens, cu = case.info.seq_lens, case.cu_seqlens
+        steps = sequences.decode_lengths(seq_lens, k)
+        if max(steps) == 0:
+            raise CheckSkipped("every sequence is 1 token long: no decode step follows a non-empty prefill")
+        x = self.inputs(case, dtype)
+        prefill = [(0, n - s) for n, s in zip(seq_lens, steps)]
+        result = self._extend(
+            dtype,
+            sequences.gather(x, cu, prefill),
+            sequences.offsets([n - s for n, s in zip(seq_lens, steps)]),
+            case.initial_state,
+        )
+        out = np.zeros(x.shape, np.float32)
+        out[sequences.rows(cu, prefill)] = result.out
+        for step in range(max(steps)):
+            positions = [cu[i] + seq_lens[i] - steps[i] + step for i in range(len(seq_lens))]
+            live = [step < s for s in steps]
+            tokens = np.stack([x[p] if on else np.zeros_like(x[0]) for p, on in zip(positions, live)])
+            result = self._decode_step(dtype, tokens, self._carry(result, "decode"))
+            decoded = result.out
+            for i, (p, on) in enumerate(zip(positions, live)):
+                if on:
+                    out[p] = decoded[i]
+        token_rows = sequences.rows(cu, [(n - s, n) for n, s in zip(seq_lens, steps)])
+        return out, token_rows
+
+    def chunked_prefill(self, case: CaseData, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """The case prefilled in pieces, each call continuing the last; (out [T, hidden], final states)."""
+        return self._memoized(("chunked", dtype), lambda: self._chunked_prefill(case, dtype))
+
+    def _chunked_prefill(self, case: CaseData, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
+        pieces = sequences.chunked_prefill_pieces(case.info.seq_lens)
+        if len(pieces) < 2:
+            raise CheckSkipped(
+                f"the shortest sequence has {min(case.info.seq_lens)} token: every call needs a piece of each"
+            )
+        x, cu = self.inputs(case, dtype), case.cu_seqlens
+        out = np.zeros(x.shape, np.float32)
+        result = None
+        for ranges in pieces:
+            result = self._extend(
+                dtype,
+                sequences.gather(x, cu, ranges),
+                sequences.offsets([hi - lo for lo, hi in ranges]),
+                case.initial_state if result is None else None,
+                None if result is None else self._carry(result, "chunked prefill"),
+            )
+            out[sequences.rows(cu, ranges)] = result.out
+        return out, result.final_state
+
+    def _extend(
+        self,
+        dtype: str,
+        hidden_states: np.ndarray,
+        cu_seqlens: np.ndarray,
+        initial_state: np.ndarray | None,
+        carry: Any = None,
+    ) -> LayerResult:
+        """`layer_extend` on a packed batch (a prefill, or its next piece with `carry`), checked."""
+        arguments = {
+            "hidden_states": hidden_states, "cu_seqlens": cu_seqlens,
+            "initial_state": initial_state, "carry": carry,
+        }  # fmt: skip
+        shapes = self._shapes(len(hidden_states), len(cu_seqlens) - 1)
+        return self._call(dtype, "layer_extend", arguments, checked_layer_result, shapes)
+
+    def _decode_step(self, dtype: str, tokens: np.ndarray, carry: Any) -> LayerResult:
+        """`layer_decode` of one token per sequence of `carry`, checked."""
+        arguments = {"hidden_states": tokens, "carry": carry}
+        return self._call(
+            dtype, "layer_decode", arguments, checked_layer_result, self._shapes(len(tokens), len(tokens))
+        )
+
+    def _carry(self, result: LayerResult, purpose: str) -> Any:
+        """The carry to continue from; an adapter that returns none cannot continue a sequence."""
+        if result.carry is None:
+            raise CheckSkipped(f"adapter {self.adapter_class.name!r} returns no carry: no {purpose} path")
+        return result.carry
+
+    def _shapes(self, tokens: int, num_seqs: int) -> CallShapes:
+        """The result shapes the contract fixes for a call of `tokens` tokens in `num_seqs` sequences."""
+        return CallShapes(tokens, num_seqs, self.dumps.manifest["config"])
+
+    def _call(
+        self,
+        dtype: str,
+        method: str,
+        arguments: dict[str, Any],
+        check: Callable[[Any, str, CallShapes], Any],
+        shapes: CallShapes,
+    ) -> Any:
+        """Call an adapter method through its guard, its result through `check(result, call, shapes)`;
+        a path it lacks (NotImplementedError) skips the check, any other failure is an
+        `ImplementationFault`."""
+        self.adapter(dtype)  # built (or its fault raised) first
+        try:
+            return self._guarded[dtype].call(
+                method, arguments, lambda result, call: check(result, call, shapes)
+            )
+        except NotImplementedError as err:
+            raise CheckSkipped(str(err) or f"adapter has no {method}") from None

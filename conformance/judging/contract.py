@@ -1,0 +1,151 @@
+"""The implementation against the bf16 precision contract's float64 model of its roundings: nRMSE and
+gain, and the contract's criteria (docs/tolerance-policy.md, "The precision contract")."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from conformance.judging.measurement import (
+    StatisticRows,
+    normalised_rmse,
+)
+from conformance.judging.tolerances import ContractLimits
+from conformance.judging.verdict import Criterion, Verdict
+
+
+@dataclasses.dataclass(frozen=True)
+class ContractError:
+    """One side against the bf16 precision contract's float64 model `m`: `nrmse` `‖x - m‖₂ / ‖m‖₂`, and
+    `gain` `<x - m, m> / <m, m>`, the part of the error along the model: what a scale defect (a weight
+    times 1 + ε) adds to it, and what independent roundings average out of it."""
+
+    nrmse: float
+    gain: float
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+def error_vs_contract(x: np.ndarray, model: np.ndarray) -> ContractError:
+    """The error of `x` against the contract's model (same shape); a NaN/Inf in `x` is an infinite one."""
+    x, m = np.asarray(x, np.float64), np.asarray(model, np.float64)
+    if x.shape != m.shape:
+        raise ValueError(f"result of shape {x.shape} against a contract model of shape {m.shape}")
+    if not np.all(np.isfinite(x)):
+        return ContractError(nrmse=float("inf"), gain=float("inf"))
+    error = x - m
+    norm2 = float(np.sum(m * m))
+    gain = float(np.sum(error * m)) / norm2 if norm2 > 0 else (0.0 if not error.any() else float("inf"))
+    return ContractError(nrmse=normalised_rmse(np.abs(error), m), gain=gain)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContractCheck:
+    """The implementation against the bf16 precision contract (docs/tolerance-policy.md): its nRMSE and
+    gain against the float64 model of the contract's roundings, under `limits`, over the rows the
+    minimum-tokens rule selects; the reference's own numbers beside it, reported only (a reference may
+    round elsewhere: transformers' port does)."""
+
+    source: str
+    impl: ContractError
+    reference: ContractError
+    limits: ContractLimits
+    fp32_stage: bool  # the contract keeps this result in fp32 (g, beta, states): the tighter nRMSE limit
+    gating: StatisticRows  # the minimum-tokens rule on the result
+    impl_truth_nrmse: float  # the implementation's nRMSE against the float64 truth
+    model_truth_nrmse: float  # the model's own: what the contract's roundings cost
+
+    @property
+    def criteria(self) -> tuple[Criterion, ...]:
+        """The contract on the implementation: its nRMSE (the limit of a bf16 or an fp32 stage) and
+        |gain| against the model, under the minimum-tokens rule, unless it is `closer_factor` times
+        closer to the truth than the model itself (it rounds less, not worse)."""
+        limits = self.limits
+        closer = Criterion(
+            "contract",
+            f"{limits.closer_factor:g}× closer to the float64 truth than the contract's model",
+            self.impl_truth_nrmse * limits.closer_factor,
+            0.0,
+            1.0,
+            self.model_truth_nrmse,
+        )
+        gating = {**self.gating.gating(), "unless": closer}
+        gain = abs(self.impl.gain)
+        return (
+            Criterion("contract", "nRMSE vs the contract's model", self.impl.nrmse, self.max_nrmse, **gating),
+            Criterion(
+                "contract", "|gain| vs the contract's model", gain, limits.max_gain, **gating,
+                detail=f"gain vs the contract's model {self.impl.gain:+.3g}, |gain| > {limits.max_gain:g}",
+            ),
+        )  # fmt: skip
+
+    @property
+    def closer(self) -> bool:
+        """The implementation is `closer_factor` times closer to the truth than the model: exempt."""
+        return self.criteria[0].unless.holds
+
+    @property
+    def max_nrmse(self) -> float:
+        return self.limits.max_nrmse_of(self.fp32_stage)
+
+    @property
+    def gated(self) -> bool:
+        """The minimum-tokens rule lets the contract decide."""
+        return self.gating.applies
+
+    @property
+    def failures(self) -> list[str]:
+        return [c.text() for c in self.criteria if not c.holds]
+
+    @property
+    def ratio(self) -> float:
+        """The larger criterion as a share of its limit (<= 1 holds); 0 where it is not gated or exempt."""
+        return Verdict("relative+contract", self.criteria).ratio
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "available": True,
+            "source": self.source,
+            "impl": self.impl.as_dict(),
+            "reference": self.reference.as_dict(),
+            "limits": self.limits.as_dict(),
+            "fp32_stage": self.fp32_stage,
+            **self.gating.gating(),
+            "gated": self.gating.applies,
+            "truth_nrmse": {"impl": self.impl_truth_nrmse, "model": self.model_truth_nrmse},
+            "closer": self.closer,
+            "max_nrmse": self.max_nrmse,
+            "ratio": self.ratio,
+            "failures": self.failures,
+        }
+
+
+def contract_check(
+    actual: np.ndarray,
+    expected: np.ndarray,
+    model: np.ndarray,
+    truth: np.ndarray,
+    impl_truth_nrmse: float,
+    source: str,
+    limits: ContractLimits,
+    fp32_stage: bool,
+    gating: StatisticRows,
+) -> ContractCheck:
+    """Both sides of a check against the contract's float64 `model` (where it comes from: `source`), over
+    the rows `gating` selects (all of them where it selects none: reported, not gated); the model against
+    the float64 `truth`, beside the implementation's nRMSE against it (`TruthError.nrmse` of the check's
+    attribution)."""
+    rows = gating.rows if gating.rows.any() else slice(None)
+    return ContractCheck(
+        source=source,
+        impl=error_vs_contract(np.asarray(actual)[rows], np.asarray(model)[rows]),
+        reference=error_vs_contract(np.asarray(expected)[rows], np.asarray(model)[rows]),
+        limits=limits,
+        fp32_stage=fp32_stage,
+        gating=gating,
+        impl_truth_nrmse=impl_truth_nrmse,
+        model_truth_nrmse=error_vs_contract(model, truth).nrmse,
+    )
