@@ -26,7 +26,7 @@ CONTRACT_MODE = "relative+contract"
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
     """Element-wise `|a - b| <= atol + rtol * |b|`, and `‖a - b‖₂ / ‖b‖₂ <= max_nrmse` where set (over
-    what the policy's `min_tokens` rule lets it decide: `metrics.statistic_rows`)."""
+    what the policy's `min_tokens` rule lets it decide: `measurement.statistic_rows`)."""
 
     atol: float
     rtol: float
@@ -78,7 +78,7 @@ class ContractLimits:
     most `max_nrmse` for a stage the contract stores in bf16, `max_nrmse_fp32_stage` for one it keeps in
     fp32 (g, beta, the recurrent states), and its gain (the error's component along the model,
     `<x - m, m> / <m, m>`) at most `max_gain` in size; both are whole-output statistics, under the
-    policy's `min_tokens` rule (`metrics.statistic_rows`). A result
+    policy's `min_tokens` rule (`measurement.statistic_rows`). A result
     `closer_factor` times closer to the float64 truth (nRMSE) than the model itself is exempt: it rounds
     less than the contract, not worse."""
 

@@ -11,7 +11,7 @@ import pytest
 from conformance.adapters.guard import EXIT_IMPLEMENTATION, ImplementationFault, one_line
 from conformance.checks.catalogue import CheckSpec
 from conformance.dumps.reader import DumpError
-from conformance.reports.report import terminal_lines
+from conformance.reports.render import terminal_lines
 from conformance.suite.options import add_implementation_options, add_selection_options, suite_options
 from conformance.suite.session import ConformanceSession, ProvidedSession
 

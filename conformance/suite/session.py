@@ -25,7 +25,9 @@ from conformance.judging.comparison import Comparison
 from conformance.judging.positions import write_files as write_position_files
 from conformance.judging.tolerances import TolerancePolicy
 from conformance.reports.junit import write_junit
-from conformance.reports.report import Record, build_report, environment, markdown, write_json
+from conformance.reports.render import markdown
+from conformance.reports.report import Record, build_report, write_json
+from conformance.runtime.environment import environment
 from conformance.suite.options import SuiteOptions
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

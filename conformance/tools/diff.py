@@ -33,7 +33,7 @@ from conformance.checks.truth import KERNEL_INPUTS
 from conformance.dumps.reader import CaseData
 from conformance.judging.comparison import Comparison
 from conformance.judging.tolerances import CONTRACT_MODE
-from conformance.reports.report import format_text_table
+from conformance.reports.tables import format_text_table
 from kda_spec import dump_format as fmt
 
 LAYER_KERNEL_RERUN = "o_kda (the kernel on the layer's inputs)"

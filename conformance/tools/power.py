@@ -35,7 +35,8 @@ from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
 from conformance.judging.tolerances import TolerancePolicy
 from conformance.reports.output_files import check_writable_file
-from conformance.reports.report import format_text_table, write_json
+from conformance.reports.report import write_json
+from conformance.reports.tables import format_text_table
 from kda_impl.models.kimi_linear import KimiDeltaAttention
 from kda_spec import dump_format as fmt
 

@@ -17,7 +17,8 @@ from conformance.cli import main
 from conformance.dumps.reader import DumpError, DumpSet
 from conformance.judging.attribution import Attribution, TruthError
 from conformance.judging.tolerances import RelativeLimits, TolerancePolicy
-from conformance.reports.report import Record, build_report, markdown, terminal_lines
+from conformance.reports.render import markdown, terminal_lines
+from conformance.reports.report import Record, build_report
 from kda_spec import dump_format as fmt
 from tests.conformance.numpy_adapter import NumpyAdapter, recurrent_kda
 from tests.conformance.synthetic import write_dump_set

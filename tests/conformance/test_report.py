@@ -8,7 +8,8 @@ from conformance.checks.catalogue import CheckSpec
 from conformance.judging.comparison import compare
 from conformance.judging.measurement import percent
 from conformance.judging.tolerances import TolerancePolicy
-from conformance.reports.report import Record, build_report, markdown, terminal_lines
+from conformance.reports.render import markdown, terminal_lines
+from conformance.reports.report import Record, build_report
 
 POLICY = TolerancePolicy.load()
 
