@@ -291,13 +291,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from conformance.checks.runner import CheckRunner
-    from conformance.tools.diff import (
-        draw_heatmap,
-        first_out_of_tolerance,
-        run_stages,
-        stage_to_look_at,
-        table_lines,
-    )
+    from conformance.tools.diff import first_out_of_tolerance, run_stages, stage_to_look_at, table_lines
+    from conformance.tools.diff_heatmap import draw_heatmap
 
     dumps = DumpSet(args.dumps)
     dumps.case_ids([args.case])  # names an unknown case
@@ -337,18 +332,18 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_power(args: argparse.Namespace) -> int:
-    from conformance.tools import power
+    from conformance.tools import power_report
 
     dumps, policy = _open_verified(args.dumps), _policy(args.tolerances)
     enable_compile_cache()
     try:
-        result, missed = power.run(
+        result, missed = power_report.run(
             dumps, policy, dtype=args.dtype, cases=args.cases, defect_patterns=args.defects,
             kernel=args.kernel, report_dir=Path(args.report_dir), command=" ".join(sys.argv),
         )  # fmt: skip
     except ValueError as err:
         raise UsageError(str(err)) from None
-    print("\n".join(power.terminal_lines(result)))
+    print("\n".join(power_report.terminal_lines(result)))
     print(f"power: reports in {args.report_dir}; goals " + ("met" if not missed else "MISSED:"))
     for reason in missed:
         print(f"  {reason}")

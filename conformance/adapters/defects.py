@@ -31,6 +31,9 @@ from kda_impl.parallel import mesh_sizes
 from kda_impl.weights import load_layer_weights
 from kda_spec.config import KDAConfig
 
+# The layer class of the built-in implementation: a `layer_class` of `DefectiveKDAImpl` subclasses it.
+BUILTIN_LAYER = KimiDeltaAttention
+
 
 class BetaSigmoidInRunDtype(KimiDeltaAttention):
     """The layer with one bf16 rounding moved: beta's sigmoid computed in the run dtype (bf16 in a bf16

@@ -15,11 +15,10 @@ from conformance.tools.diff import (
     LAYER_KERNEL_RERUN,
     StageResult,
     first_out_of_tolerance,
-    judged_ratio,
     run_stages,
-    shown_gate,
     table_lines,
 )
+from conformance.tools.diff_heatmap import judged_ratio, shown_gate
 from tests.conformance.numpy_adapter import NumpyAdapter, recurrent_kda
 from tests.conformance.synthetic import write_dump_set
 

@@ -12,7 +12,8 @@ from conformance.checks.runner import CheckRunner
 from conformance.cli import main
 from conformance.dumps.reader import DumpSet
 from conformance.judging.tolerances import TolerancePolicy
-from conformance.tools.diff import run_stages, stage_to_look_at, state_defects, state_panels, table_lines
+from conformance.tools.diff import run_stages, stage_to_look_at, state_defects, table_lines
+from conformance.tools.diff_heatmap import state_panels
 from tests.conformance.numpy_adapter import NumpyAdapter
 
 CASE = "varlen_initstate"  # 4 sequences with initial states

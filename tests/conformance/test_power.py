@@ -11,7 +11,7 @@ from conformance import cli
 from conformance.adapters.defects import Injection
 from conformance.dumps.reader import DumpSet
 from conformance.judging.tolerances import TolerancePolicy
-from conformance.tools import power
+from conformance.tools import power, power_report
 from conformance.tools.power import GRID, POLICIES, Outcome, PowerMeter, smallest_caught
 from tests.conformance.synthetic import write_dump_set
 
@@ -154,7 +154,7 @@ def test_the_comparison_names_how_close_to_its_limit_an_earlier_absolute_catch_a
         "baseline": {"bf16": {"ratios": {"absolute": {"T65:decode-k8": 0.963}, "default": {}}}},
         "rows": [row("scale:a", 1e-4, 2e-6, "T65:decode-k8"), row("scale:b", 1e-5, 1e-3, "T65:g")],
     }
-    assert power.comparison_line(result) == (
+    assert power_report.comparison_line(result) == (
         "default policy at least as powerful as the absolute gate in 1 of 2 rows; weaker in: "
         "scale:a (bf16) [T65:decode-k8 at 0.96 of its limit without it]"
     )
