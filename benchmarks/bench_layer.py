@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bench_kernels import timed
-from dump_gen.weights import synthetic_weights
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
 from kda_impl.model_executor.forward_batch import ForwardMode, make_forward_batch
@@ -29,6 +28,7 @@ from kda_impl.models.kimi_linear import jit_forward
 from kda_impl.parallel import make_mesh
 from kda_impl.weights import layer_from_hf_weights
 from kda_spec.config import KDAConfig, get_preset
+from kda_spec.synthetic_weights import synthetic_weights
 
 HOST_DEVICES = 8
 Row = tuple[str, str, float, float]  # what, mesh, first call (s), median (s)

@@ -7,7 +7,7 @@
 
 Exit status: 0 the set was written; 2 a problem the user can fix, reported on one line (a bad flag,
 checkpoint or destination, a reference that produced NaN/Inf), with the destination as it was;
-130 interrupted (Ctrl-C): a local destination as it was, a remote one as dump_gen.storage says.
+130 interrupted (Ctrl-C): a local destination as it was, a remote one as kda_spec.storage says.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import time
 
 from dump_gen.errors import DumpError
 from dump_gen.references import REFERENCES
-from dump_gen.weights import WEIGHTS_KINDS
 from kda_spec.config import PRESETS, KDAConfig, get_preset
 from kda_spec.dump_format import CASE_GROUPS, CASES_BY_ID, select_cases
+from kda_spec.storage import StorageError
+from kda_spec.synthetic_weights import WEIGHTS_KINDS
 from kda_spec.truth import INTERMEDIATES_MAX_TOKENS
 
 # Config override flags: (flag, KDAConfig field, type).
@@ -49,7 +50,9 @@ class Options:
     device: str
     threads: int
     progress: bool
-    weights: str = "synthetic"  # the synthetic kind (dump_gen.weights.WEIGHTS_KINDS) unless --checkpoint
+    weights: str = (
+        "synthetic"  # the synthetic kind (kda_spec.synthetic_weights.WEIGHTS_KINDS) unless --checkpoint
+    )
     truth_intermediates_max_tokens: int = INTERMEDIATES_MAX_TOKENS
 
 
@@ -170,7 +173,7 @@ def run(options: Options) -> dict:
     """Make the dump set `options` describe; returns its manifest. Any exception on the way (KeyboardInterrupt
     included) leaves the destination as it was (`DumpWriter.abort`)."""
     # torch, transformers and fla load only once the flags and the destination are known to be good.
-    from dump_gen.storage import open_writer
+    from kda_spec.storage import open_writer
 
     # The destination is checked first: a refused --out costs no torch import and no reference run.
     with open_writer(options.out, overwrite=options.overwrite) as writer:
@@ -209,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = parse_options(argv)
         manifest = run(options)
-    except DumpError as err:
+    except (DumpError, StorageError) as err:
         print(f"dump_gen: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

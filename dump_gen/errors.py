@@ -2,4 +2,5 @@
 
 
 class DumpError(Exception):
-    """A problem the user can fix: a bad flag, checkpoint, hub snapshot or destination."""
+    """A problem the user can fix: a bad flag, checkpoint or hub snapshot (a destination's problem is a
+    `kda_spec.storage.StorageError`)."""

@@ -18,7 +18,6 @@ from dump_gen.errors import DumpError
 from dump_gen.inputs import CaseInputs, case_inputs
 from dump_gen.kernels import PATHS, KernelBackend, kernel_backend
 from dump_gen.references.base import LayerRunner, Reference
-from dump_gen.storage import DumpWriter, npz_bytes
 from kda_spec.config import KDAConfig
 from kda_spec.dump_format import (
     FORMAT_NAME,
@@ -38,6 +37,7 @@ from kda_spec.dump_format import (
     result_key,
     truth_key,
 )
+from kda_spec.storage import DumpWriter, npz_bytes
 from kda_spec.truth import (
     BLOCK_TOKENS,
     INTERMEDIATES_MAX_TOKENS,

@@ -25,8 +25,8 @@ from conformance.search.explore import SHRINK_BUDGET_S, Exploration, explore
 from conformance.search.judge import Judge
 from conformance.search.report import SearchProgress, Tally, check_table, regime_table, write_report
 from conformance.search.space import MAX_SEQS, MAX_TOKENS, case_strategy
-from dump_gen.weights import stress_weights, synthetic_weights
 from kda_spec.config import KDAConfig, get_preset
+from kda_spec.synthetic_weights import stress_weights, synthetic_weights
 from kda_spec.weight_names import FP32_WEIGHTS
 
 STRESS = "stress"
@@ -59,8 +59,9 @@ def weight_sets(
     dumps: str | None, preset: str, seed: int
 ) -> tuple[KDAConfig, dict[str, dict[str, np.ndarray]], dict[str, str]]:
     """The config, the weight sets by name and each one's source: the dump's weights (`dump`) or the
-    preset's synthetic ones drawn from `seed` (`synthetic`), and `stress`: those with the gate parameters
-    (`A_log`, `dt_bias`) of `dump_gen.weights.stress_weights`, strong decays no initialised layer has."""
+    preset's synthetic ones drawn from `seed` (`synthetic`), and `stress`: those with the gate
+    parameters (`A_log`, `dt_bias`) of `kda_spec.synthetic_weights.stress_weights`, strong decays no
+    initialised layer has."""
     if dumps is not None:
         dump_set = DumpSet(dumps)
         config, base, name, source = dump_set.config, dump_set.weights(), "dump", f"dump:{dumps}"

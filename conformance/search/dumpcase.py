@@ -8,7 +8,7 @@ an implementation by how much further from the truth it is than a plain fp32 rec
 inputs: the relative gate of docs/tolerance-policy.md, with this pipeline as its reference.
 
 The judge writes each case to an in-memory set (`memory://`) and reads it back through the suite's own
-reader; a reproducer is the same set on disk (`reproducer.py`). Writing goes through `dump_gen.storage`
+reader; a reproducer is the same set on disk (`reproducer.py`). Writing goes through `kda_spec.storage`
 (numpy and fsspec only).
 """
 
@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from conformance.search.space import CaseInputs
-from dump_gen.storage import npz_bytes, open_writer
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig
+from kda_spec.storage import npz_bytes, open_writer
 from kda_spec.truth import (
     IMPLEMENTATION,
     bf16_contract_rounding,
@@ -112,7 +112,7 @@ def write_case_set(
     overwrite: bool = False,
 ) -> None:
     """A dump set of one case (`CASE_ID`) at `url` (a folder or `memory://…`), written through
-    `dump_gen.storage` (a local folder staged and swapped in whole). `search`: what the search says of
+    `kda_spec.storage` (a local folder staged and swapped in whole). `search`: what the search says of
     the case (its fields, the check it failed), kept in the manifest under `search`."""
     with open_writer(url, overwrite=overwrite) as writer:
         case_file = fmt.case_file(CASE_ID)

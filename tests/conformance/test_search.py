@@ -23,7 +23,7 @@ from conformance.search.dumpcase import CASE_ID
 from conformance.search.explore import explore
 from conformance.search.judge import HEADROOM, Judge
 from conformance.search.space import SearchCase, case_inputs, case_strategy, steered
-from dump_gen.weights import stress_weights, synthetic_weights
+from kda_spec.synthetic_weights import stress_weights, synthetic_weights
 from kda_spec.truth import sigmoid, softplus
 from tests.conformance import seeded_adapters
 from tests.conformance.synthetic import TINY

@@ -10,13 +10,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import dump_gen.weights
+import kda_spec.synthetic_weights
 from dump_gen.checkpoint import read_layer
 from dump_gen.errors import DumpError
-from dump_gen.weights import synthetic_weights
 from kda_spec.checkpoint import INDEX_FILE
 from kda_spec.config import get_preset
 from kda_spec.dump_format import weight_shapes
+from kda_spec.synthetic_weights import synthetic_weights
 from kda_spec.weight_names import layer_prefix
 from tests.dump_gen.conftest import dump
 from tests.dump_gen.validate import read_npz, validate_set
@@ -172,7 +172,7 @@ def test_reference_overflowing_to_inf_is_refused(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Finite weights whose output overflows float32: the first non-finite result is named."""
-    real_synthetic_weights = dump_gen.weights.synthetic_weights
+    real_synthetic_weights = kda_spec.synthetic_weights.synthetic_weights
 
     def huge_output_projection(config, seed):
         weights = real_synthetic_weights(config, seed)
@@ -180,7 +180,7 @@ def test_reference_overflowing_to_inf_is_refused(
         weights["o_proj.weight"] = weights["o_proj.weight"] * np.float32(1e30)
         return weights
 
-    monkeypatch.setitem(dump_gen.weights.WEIGHTS_KINDS, "synthetic", huge_output_projection)
+    monkeypatch.setitem(kda_spec.synthetic_weights.WEIGHTS_KINDS, "synthetic", huge_output_projection)
     out = tmp_path / "set"
     assert dump(out, cases=["T1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the libraries' own warnings

@@ -11,8 +11,8 @@ import torch
 import dump_gen.references.layout as layout
 from dump_gen.errors import DumpError
 from dump_gen.references import make_reference
-from dump_gen.weights import synthetic_weights
 from kda_spec.config import get_preset
+from kda_spec.synthetic_weights import synthetic_weights
 from kda_spec.weight_names import hf_weight_shapes
 from tests.dump_gen.conftest import STANDIN
 

@@ -7,9 +7,9 @@ import pytest
 
 from dump_gen import generate
 from dump_gen.inputs import case_inputs
-from dump_gen.weights import synthetic_weights
 from kda_spec import dump_format as fmt
 from kda_spec.config import get_preset
+from kda_spec.synthetic_weights import synthetic_weights
 from kda_spec.truth import bf16_contract_rounding, bf16_rounded, layer_output_truth, layer_truth, run_weights
 
 TINY_CONFIG = get_preset("mini").replace(hidden_size=32, head_dim=16, preset="custom")

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dump_gen.weights import STRESS_MAX_DECAY_RATE, stress_weights, synthetic_weights
 from kda_spec.config import get_preset
 from kda_spec.dump_format import STANDARD_CASES, select_cases
+from kda_spec.synthetic_weights import STRESS_MAX_DECAY_RATE, stress_weights, synthetic_weights
 from tests.dump_gen.conftest import dump
 from tests.dump_gen.validate import read_npz, validate_set
 

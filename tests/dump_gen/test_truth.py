@@ -17,11 +17,11 @@ from conformance.dumps.reader import DumpError, DumpSet
 from dump_gen.cli import main
 from dump_gen.inputs import case_inputs
 from dump_gen.references.transformers_layer import TransformersReference
-from dump_gen.storage import npz_bytes
-from dump_gen.weights import synthetic_weights
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig, get_preset
 from kda_spec.dump_format import CASES_BY_ID
+from kda_spec.storage import npz_bytes
+from kda_spec.synthetic_weights import synthetic_weights
 from kda_spec.truth import (
     IMPLEMENTATION,
     bf16_rounded,

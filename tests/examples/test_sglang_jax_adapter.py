@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dump_gen.weights import synthetic_weights
 from examples.sglang_jax.adapter import SglangJaxAdapter, import_sgl_jax
 from examples.sglang_jax.layout import (
     PROJECTIONS,
@@ -20,6 +19,7 @@ from examples.sglang_jax.layout import (
     sglang_jax_params,
 )
 from kda_spec.config import get_preset
+from kda_spec.synthetic_weights import synthetic_weights
 
 CONFIG = get_preset("mini").replace(hidden_size=32, head_dim=8)
 

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 from dump_gen.references.transformers_names import hf_to_transformers
-from dump_gen.weights import synthetic_weights
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
 from kda_impl.model_executor.forward_batch import ForwardBatch, ForwardMode, make_forward_batch, pad_rows
 from kda_impl.models.kimi_linear import jit_forward
 from kda_impl.weights import layer_from_hf_weights
 from kda_spec.config import KDAConfig, get_preset
+from kda_spec.synthetic_weights import synthetic_weights
 from tests.kda_impl.kernel_inputs import SEED_ENV
 
 TOKEN_BUCKET = 256  # every test batch has at most this many tokens

@@ -35,7 +35,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from conformance.runtime.cpu_compile import prefer_fast_cpu_compile
-from dump_gen.weights import synthetic_weights
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.mem_cache.recurrent_state_pool import CONV_SPEC, RECURRENT_SPEC, RecurrentStatePool
 from kda_impl.model_executor.forward_batch import ForwardMode, make_dp_forward_batch
@@ -43,6 +42,7 @@ from kda_impl.models.kimi_linear import jit_forward
 from kda_impl.parallel import fetch, make_mesh, mesh_sizes, single_device_mesh
 from kda_impl.weights import layer_from_hf_weights
 from kda_spec.config import KDAConfig
+from kda_spec.synthetic_weights import synthetic_weights
 from tests.kda_impl.conftest import assert_close
 
 CONFIG = KDAConfig(hidden_size=64, num_heads=8, head_dim=32, preset="parallel-test", kda_layers=(1,))

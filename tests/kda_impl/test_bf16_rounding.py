@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dump_gen.weights import synthetic_weights
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
 from kda_impl.model_executor.forward_batch import ForwardMode, make_forward_batch, pad_rows
 from kda_impl.models.kimi_linear import KimiDeltaAttention, jit_forward
 from kda_impl.weights import layer_from_hf_weights
 from kda_spec.config import get_preset
+from kda_spec.synthetic_weights import synthetic_weights
 from kda_spec.truth import delta_rule
 
 TOKENS = 64

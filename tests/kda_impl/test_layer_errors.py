@@ -8,12 +8,12 @@ import pytest
 from flax import nnx
 
 from conformance.adapters.kda_impl_adapter import KDACarry, KDAImplAdapter
-from dump_gen.weights import synthetic_weights
 from kda_impl.layers.radix_linear_attention import RadixLinearAttention
 from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
 from kda_impl.model_executor.forward_batch import ForwardMode, make_forward_batch, seq_lens_from_cu_seqlens
 from kda_impl.models.kimi_linear import KimiDeltaAttention
 from kda_spec.config import get_preset
+from kda_spec.synthetic_weights import synthetic_weights
 from tests.kda_impl.conftest import CONFIGS, NUM_SLOTS, TOKEN_BUCKET, random_states
 
 MINI = CONFIGS["mini"]

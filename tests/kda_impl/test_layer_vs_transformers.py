@@ -14,8 +14,8 @@ import pytest
 
 from conformance.judging.attribution import error_vs_truth, excess
 from conformance.judging.tolerances import TolerancePolicy
-from dump_gen.weights import synthetic_weights
 from kda_impl.kernels.common import softplus
+from kda_spec.synthetic_weights import synthetic_weights
 from kda_spec.truth import layer_truth, run_weights
 from tests.kda_impl.conftest import CONFIGS, assert_close, random_states, random_tokens
 

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
-from dump_gen.weights import synthetic_weights
 from kda_impl.layers.short_conv import short_conv_with_state
 from kda_impl.mem_cache.recurrent_state_pool import DUMMY_SLOT
 from kda_impl.model_executor.forward_batch import ForwardMode, make_forward_batch
 from kda_impl.models.kimi_linear import KimiDeltaAttention
 from kda_impl.server_args import ServerArgs
+from kda_spec.synthetic_weights import synthetic_weights
 from tests.kda_impl.conftest import CONFIGS, NUM_SLOTS, assert_close, random_states, random_tokens
 
 SEQ_LEN = 100  # crosses a 64-token chunk boundary

@@ -11,10 +11,10 @@ import pytest
 from safetensors.flax import save_file
 
 from dump_gen.references.transformers_names import hf_to_transformers, transformers_to_hf
-from dump_gen.weights import synthetic_weights
 from kda_impl.weights import layer_from_checkpoint, layer_from_hf_weights
 from kda_spec.checkpoint import INDEX_FILE, SINGLE_FILE
 from kda_spec.config import get_preset
+from kda_spec.synthetic_weights import synthetic_weights
 from kda_spec.weight_names import layer_prefix
 
 # Layers 0 and 2 (0-based) are KDA; layer 1 stands for an MLA layer.

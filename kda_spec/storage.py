@@ -27,9 +27,12 @@ import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from dump_gen.errors import DumpError
 from kda_spec.dump_format import CASES_DIR, FORMAT_NAME, MANIFEST_FILE, sha256_bytes
 from kda_spec.remote import LocationError, open_location
+
+
+class StorageError(ValueError):
+    """A destination the user can fix: not writable, already holding a dump set, a file."""
 
 
 def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
@@ -51,11 +54,11 @@ def named_files(manifest: dict[str, Any]) -> dict[str, str]:
 
 
 def open_writer(url: str, *, overwrite: bool) -> DumpWriter:
-    """The writer for `url`, once what is there allows the run (a DumpError says why not)."""
+    """The writer for `url`, once what is there allows the run (a StorageError says why not)."""
     try:
         fs, root = open_location(url)
     except LocationError as err:
-        raise DumpError(f"--out {err}") from None
+        raise StorageError(f"--out {err}") from None
     if isinstance(fs, LocalFileSystem):
         return StagedFolderWriter(url, Path(root), overwrite=overwrite)
     return RemoteWriter(url, fs, root, overwrite=overwrite)
@@ -63,25 +66,25 @@ def open_writer(url: str, *, overwrite: bool) -> DumpWriter:
 
 def check_destination(url: str, fs: fsspec.AbstractFileSystem, root: str, *, overwrite: bool) -> bool:
     """Whether `root` holds files: False when it is absent or empty, True for a dump set that `overwrite`
-    allows to replace; a DumpError for anything else."""
+    allows to replace; a StorageError for anything else."""
     try:
         if not fs.exists(root):
             return False
         if not fs.isdir(root):
-            raise DumpError(f"--out {url} is a file, not a folder")
+            raise StorageError(f"--out {url} is a file, not a folder")
         if not fs.ls(root, detail=False):
             return False
         manifest_path = f"{root.rstrip('/')}/{MANIFEST_FILE}"
         manifest = json.loads(fs.cat_file(manifest_path)) if fs.isfile(manifest_path) else None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise DumpError(f"--out {url}: cannot tell what the folder holds: {err}") from None
+        raise StorageError(f"--out {url}: cannot tell what the folder holds: {err}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        raise DumpError(
+        raise StorageError(
             f"--out {url} is not empty and holds no dump set (no {FORMAT_NAME} {MANIFEST_FILE}); "
             "refusing to write into it: choose a new or empty folder"
         )
     if not overwrite:
-        raise DumpError(f"--out {url} already holds a dump set; pass --overwrite to replace it")
+        raise StorageError(f"--out {url} already holds a dump set; pass --overwrite to replace it")
     return True
 
 
@@ -125,13 +128,13 @@ class StagedFolderWriter(DumpWriter):
             shutil.rmtree(self.staging, ignore_errors=True)  # left by a killed run with our pid
             (self.staging / CASES_DIR).mkdir(parents=True)
         except OSError as err:
-            raise DumpError(f"--out {url}: destination is not writable: {err}") from None
+            raise StorageError(f"--out {url}: destination is not writable: {err}") from None
 
     def write(self, relpath: str, data: bytes) -> str:
         try:
             (self.staging / relpath).write_bytes(data)
         except OSError as err:
-            raise DumpError(f"--out {self.url}: cannot write {relpath} in {self.staging}: {err}") from None
+            raise StorageError(f"--out {self.url}: cannot write {relpath} in {self.staging}: {err}") from None
         return sha256_bytes(data)
 
     def commit(self, manifest: dict[str, Any]) -> None:
@@ -149,7 +152,7 @@ class StagedFolderWriter(DumpWriter):
                     os.rename(replaced, self.destination)
                 raise
         except OSError as err:
-            raise DumpError(f"--out {self.url}: cannot move the new set into place: {err}") from None
+            raise StorageError(f"--out {self.url}: cannot move the new set into place: {err}") from None
         shutil.rmtree(replaced, ignore_errors=True)
 
     def _verify_staging(self, manifest: dict[str, Any]) -> None:
@@ -158,7 +161,7 @@ class StagedFolderWriter(DumpWriter):
             path = self.staging / relpath
             found = sha256_bytes(path.read_bytes()) if path.is_file() else "no file"
             if found != sha256:
-                raise DumpError(
+                raise StorageError(
                     f"--out {self.url}: staged {path} reads back as {found}, the manifest says {sha256}; "
                     "nothing was replaced"
                 )
@@ -179,7 +182,7 @@ class RemoteWriter(DumpWriter):
         try:
             fs.makedirs(self._path(CASES_DIR), exist_ok=True)
         except OSError as err:
-            raise DumpError(f"--out {url}: destination is not writable: {err}") from None
+            raise StorageError(f"--out {url}: destination is not writable: {err}") from None
 
     def _path(self, relpath: str) -> str:
         return f"{self.root}/{relpath}"
@@ -188,7 +191,7 @@ class RemoteWriter(DumpWriter):
         try:
             self.fs.pipe_file(self._path(relpath), data)
         except OSError as err:
-            raise DumpError(f"--out {self.url}: cannot write {relpath}: {err}") from None
+            raise StorageError(f"--out {self.url}: cannot write {relpath}: {err}") from None
         self.written.append(relpath)
         return sha256_bytes(data)
 
@@ -201,7 +204,7 @@ class RemoteWriter(DumpWriter):
             for path in stale:
                 self.fs.rm_file(path)
         except OSError as err:
-            raise DumpError(
+            raise StorageError(
                 f"--out {self.url}: the new set is complete, but deleting a file it does not name failed: "
                 f"{err}"
             ) from None
