@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 CACHE_DIR_ENV = "JAX_COMPILATION_CACHE_DIR"
-MIN_COMPILE_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 # Cache every executable: the tests and the suite compile hundreds of small ones (0.1-1 s each); JAX's
 # default (1 s) would keep almost none of them.
 MIN_COMPILE_TIME_S = 0.0
@@ -78,10 +77,3 @@ def enable_compile_cache(environ: Mapping[str, str] = os.environ) -> Path | None
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_TIME_S)
     return path
-
-
-def subprocess_environ(path: Path | None) -> dict[str, str]:
-    """The variables that give a child process (which reads them through JAX itself) the same cache."""
-    if path is None:
-        return {CACHE_DIR_ENV: ""}
-    return {CACHE_DIR_ENV: str(path), MIN_COMPILE_TIME_ENV: str(MIN_COMPILE_TIME_S)}
