@@ -352,7 +352,7 @@ def cmd_power(args: argparse.Namespace) -> int:
 
 def cmd_search(args: argparse.Namespace) -> int:
     from conformance.search.command import SearchOptions, run_search
-    from conformance.suite.session import parse_dtypes
+    from conformance.suite.options import parse_dtypes
 
     adapter_class, options = _adapter(args)
     try:

@@ -97,9 +97,11 @@ def layer_from_hf_weights(
     dtype: Any = jnp.bfloat16,
     mesh: jax.sharding.Mesh | None = None,
     source: str = "the weights dict",
+    layer_class: type[KimiDeltaAttention] = KimiDeltaAttention,
 ) -> KimiDeltaAttention:
-    """A `KimiDeltaAttention` holding `weights`, built without a random initialisation first."""
-    module = nnx.eval_shape(lambda: KimiDeltaAttention(config, layer_idx, mesh, dtype, rngs=nnx.Rngs(0)))
+    """A `layer_class` (`KimiDeltaAttention` or a subclass) holding `weights`, built without a random
+    initialisation first."""
+    module = nnx.eval_shape(lambda: layer_class(config, layer_idx, mesh, dtype, rngs=nnx.Rngs(0)))
     load_layer_weights(module, weights, source)
     return module
 

@@ -28,11 +28,7 @@ from kda_impl.kernels import chunk_kda
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.models.kimi_linear import KimiDeltaAttention
 from kda_impl.parallel import mesh_sizes
-from kda_impl.weights import load_layer_weights
 from kda_spec.config import KDAConfig
-
-# The layer class of the built-in implementation: a `layer_class` of `DefectiveKDAImpl` subclasses it.
-BUILTIN_LAYER = KimiDeltaAttention
 
 
 class BetaSigmoidInRunDtype(KimiDeltaAttention):
@@ -130,7 +126,7 @@ class DefectiveKDAImpl(KDAImplAdapter):
         options: Mapping[str, str] | None = None,
         layer_class: type[KimiDeltaAttention] = KimiDeltaAttention,
     ):
-        self._layer_class = layer_class  # before the built-in adapter builds its layer with `_new_layer`
+        self.layer_class = layer_class  # before the built-in adapter builds its layer with it
         super().__init__(config, weights, dtype, kernel, options=options)
         # The built-in forward's jitted step; each `inject` binds it to new parameters (no recompilation).
         self._step, (self._dump_params,) = self._forward.func, self._forward.args
@@ -142,16 +138,6 @@ class DefectiveKDAImpl(KDAImplAdapter):
         )
         self._chunk = lambda *args, **kwargs: leaky_chunk(*args, leak=self._backend.leak[0], **kwargs)
         self.inject(Injection())
-
-    def _new_layer(self, weights: Mapping[str, np.ndarray], source: str) -> KimiDeltaAttention:
-        """A layer of this adapter's class holding `weights`, on its mesh, in its run dtype."""
-        module = nnx.eval_shape(
-            lambda: self._layer_class(
-                self.config, self._layer_idx, self._mesh, self._run_dtype, rngs=nnx.Rngs(0)
-            )
-        )
-        load_layer_weights(module, weights, source)
-        return module
 
     def inject(self, injection: Injection) -> None:
         """Run the next calls with `injection`'s defect (`Injection()`: none)."""

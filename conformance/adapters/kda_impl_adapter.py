@@ -63,6 +63,8 @@ class KDAImplAdapter(KDAAdapter):
         "tp": "tensor-parallel size: heads over N devices (default 1)",
         "dp": "data-parallel size: sequences over M data ranks (default 1)",
     }
+    # The layer and backend classes it builds its serving path from (a broken or defective adapter swaps one).
+    layer_class: type[KimiDeltaAttention] = KimiDeltaAttention
     backend_class: ClassVar[type[KDAAttnBackend]] = KDAAttnBackend
 
     def __init__(
@@ -94,8 +96,9 @@ class KDAImplAdapter(KDAAdapter):
     def _new_layer(self, weights: Mapping[str, np.ndarray], source: str) -> KimiDeltaAttention:
         """The layer holding `weights` (named in errors as `source`), on this adapter's mesh, in its run
         dtype."""
-        layer = self._layer_idx
-        return layer_from_hf_weights(self.config, layer, weights, self._run_dtype, self._mesh, source)
+        return layer_from_hf_weights(
+            self.config, self._layer_idx, weights, self._run_dtype, self._mesh, source, self.layer_class
+        )
 
     @classmethod
     def parse_options(cls, options: Mapping[str, str]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.adapters.defects import BUILTIN_LAYER, BetaSigmoidInRunDtype, DefectiveKDAImpl, Injection
+from conformance.adapters.defects import BetaSigmoidInRunDtype, DefectiveKDAImpl, Injection
 from conformance.checks.catalogue import CheckSkipped, CheckSpec, case_checks, group_of
 from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
@@ -52,7 +52,7 @@ class Defect:
     groups: frozenset[str]  # the check groups it can reach (conformance.checks.catalogue.GROUPS)
     preferred_cases: tuple[str, ...]
     exercised_by: Callable[[tuple[int, ...]], bool]
-    layer_class: type = BUILTIN_LAYER
+    layer_class: type = DefectiveKDAImpl.layer_class
     dtypes: tuple[str, ...] = fmt.DTYPES
 
 
@@ -214,7 +214,7 @@ class PowerMeter:
         dtype: str,
         injection: Injection,
         cases: Mapping[str, list[str]],
-        layer_class: type = BUILTIN_LAYER,
+        layer_class: type = DefectiveKDAImpl.layer_class,
     ) -> Outcome:
         """Run the `cases` (case → checks) with `injection`; which checks fail under each policy, leaving
         out those `baseline[dtype]` fails. A check that raises (other than a skip) fails under both."""

@@ -4,19 +4,15 @@ Each adapter changes one thing of the built-in `KDAImplAdapter` and keeps the re
 path: the decay gate's sign, beta's sigmoid computed in bf16, the conv's respect for sequence
 boundaries, the conv state carried into decode, or the output by 1e-4. The beta and conv-state defects
 are `conformance.adapters.defects`' (which `python -m conformance power` injects too). The first
-three swap a class the adapter builds its layer from.
+three swap the layer or backend class the adapter builds its serving path from.
 """
 
 from __future__ import annotations
-
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import kda_impl.weights
-from conformance.adapters import kda_impl_adapter
 from conformance.adapters.defects import BetaSigmoidInRunDtype, without_conv_state
 from conformance.adapters.kda_impl_adapter import KDACarry, KDAImplAdapter
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
@@ -32,18 +28,12 @@ class _FlippedDecay(KimiDeltaAttention):
 
 class FlippedGate(KDAImplAdapter):
     name = "broken: decay gate sign flipped"
-
-    def __init__(self, config, weights, dtype, kernel="auto", *, options=None):
-        with mock.patch.object(kda_impl.weights, "KimiDeltaAttention", _FlippedDecay):
-            super().__init__(config, weights, dtype, kernel, options=options)
+    layer_class = _FlippedDecay
 
 
 class BetaInBf16(KDAImplAdapter):
     name = "broken: beta's sigmoid in the run dtype (bf16), not fp32"
-
-    def __init__(self, config, weights, dtype, kernel="auto", *, options=None):
-        with mock.patch.object(kda_impl.weights, "KimiDeltaAttention", BetaSigmoidInRunDtype):
-            super().__init__(config, weights, dtype, kernel, options=options)
+    layer_class = BetaSigmoidInRunDtype
 
 
 @jax.tree_util.register_pytree_node_class
@@ -62,10 +52,7 @@ class _LeakyConvBackend(KDAAttnBackend):
 
 class LeakyConv(KDAImplAdapter):
     name = "broken: conv leaks across sequences"
-
-    def __init__(self, config, weights, dtype, kernel="auto", *, options=None):
-        with mock.patch.object(kda_impl_adapter, "KDAAttnBackend", _LeakyConvBackend):
-            super().__init__(config, weights, dtype, kernel, options=options)
+    backend_class = _LeakyConvBackend
 
 
 class DecodeDropsConvState(KDAImplAdapter):
