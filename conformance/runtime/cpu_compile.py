@@ -1,7 +1,7 @@
 """On a machine where JAX can only use the CPU, compile with XLA:CPU's loop emitters.
 
 XLA:CPU compiles each fusion of a program through MLIR and LLVM, and a CPU run of the tests or of the
-suite spends most of its time there (docs/kernels.md, "Compile time"). With
+suite spends most of its time there (docs/kernels.md, "Speed and compile time"). With
 `--xla_cpu_use_fusion_emitters=false` (XLA's older element-wise emitters) the chunk kernel compiles in
 ~1.0 s instead of ~1.6 s, and every number of the golden suite's report is bit-identical.
 

@@ -6,20 +6,21 @@ the tests hold it to) C tokens at a time, with the in-chunk decay scores built b
 blocks).
 
 Per chunk of C tokens (per head), with G the in-chunk inclusive cumsum of the log decay g and
-Γ = exp(G) (all factors below are <= 1, see "Strong decay"):
+Γ = exp(G), in fla's names (`naive_chunk.py` computes them as written; all factors below are <= 1,
+see "Strong decay"):
 
-    A[i, j]   = beta_i * sum_d k_i[d] k_j[d] exp(G_i[d] - G_j[d])          (j < i)
+    Akk[i, j] = beta_i * sum_d k_i[d] k_j[d] exp(G_i[d] - G_j[d])        (j < i)
     Aqk[i, j] = scale * sum_d q_i[d] k_j[d] exp(G_i[d] - G_j[d])         (j <= i)
-    U  = (I + A)^-1 (beta * v)          Wk = (I + A)^-1 (beta * k * Γ)
-    w  = U - Wk @ S0                    (the new values written to the state)
-    o  = scale * (q * Γ) @ S0 + Aqk @ w
-    S1 = diag(Γ_C) S0 + (k * exp(G_C - G))^T @ w
+    u = (I + Akk)^-1 (beta * v)         w = (I + Akk)^-1 (beta * k * Γ)
+    v_new = u - w @ S                   (the values the chunk writes into the state)
+    o  = scale * (q * Γ) @ S + Aqk @ v_new
+    S' = diag(Γ_C) S + (k * exp(G_C - G))^T @ v_new
 
-Implementation: one `lax.scan` step per chunk (`chunk_step`), batched over heads; w is computed as
-(I + A)^-1 (beta * v - (beta * k * Γ) @ S0), and one matmul `[beta k Γ ; scale q Γ] @ S0` serves both
-state products. Working chunk by chunk keeps every temporary at `[H, C, ...]` (cache-sized): on XLA:CPU
-the all-chunks-at-once form spent most of its time streaming `[NC, H, C, K]` temporaries through
-memory (docs/kernels.md, "Speed").
+Implementation: one `lax.scan` step per chunk (`chunk_step`), batched over heads; v_new is computed as
+(I + Akk)^-1 (beta * v - (beta * k * Γ) @ S), one solve of V columns instead of V + K, and one matmul
+`[beta k Γ ; scale q Γ] @ S` serves both state products. Working chunk by chunk keeps every temporary
+at `[H, C, ...]` (cache-sized): on XLA:CPU an all-chunks-at-once form spends most of its time
+streaming `[NC, H, C, K]` temporaries through memory.
 
 Strong decay: the factorised form `(q exp(G)) @ (k exp(-G))^T` overflows fp32 once -G passes ~88
 (g reaches -60 per token), and `exp(G_i - G_j)` from two long prefix sums loses ~eps*|G| to
@@ -41,152 +42,39 @@ Full resets: g = -inf is floored (`common.finite_log_decay`) to the same exact e
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from kda_impl.kernels.common import HIGHEST, finite_log_decay, initial_or_zeros, prepare_inputs, sequence_ids
-from kda_impl.kernels.validation import static_validate_inputs
+from kda_impl.kernels.common import HIGHEST, chunk_layout, finite_log_decay, sequence_offsets
+from kda_impl.kernels.entry import kda_entry_point
 
-# Tokens per chunk. 32, not fla's 64: on XLA:CPU the whole kernel measured 7-10% faster at T = 1024
-# and 4096 (H=32, D=128; 128 was 15-30% slower), the in-chunk work growing as C^2 per chunk while the
-# state products cost the same per token for any C.
+# Tokens per chunk: the in-chunk work grows as C^2 per chunk while the state products cost the same per
+# token for any C; on XLA:CPU 32 is the fastest (see CHANGELOG.md), fla uses 64.
 CHUNK_SIZE = 32
 
 
+@kda_entry_point(static=("chunk_size",))
 def chunk_kda(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
+    q: jax.Array,  # [T, H, K] packed, fp32
+    k: jax.Array,  # [T, H, K]
+    v: jax.Array,  # [T, H, V]
+    g: jax.Array,  # [T, H, K]
+    beta: jax.Array,  # [T, H]
+    init: jax.Array,  # [N, H, K, V] fp32
+    cu_seqlens: jax.Array | None,  # i32[N + 1], or None: N rows of equal length
     *,
-    scale: float | None = None,
-    initial_state: jax.Array | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: jax.Array | None = None,
-    use_qk_l2norm_in_kernel: bool = False,
+    scale: float,
     chunk_size: int = CHUNK_SIZE,
-) -> tuple[jax.Array, jax.Array | None]:
-    r"""KDA over whole sequences, chunk by chunk (prefill).
+) -> tuple[jax.Array, jax.Array]:
+    """KDA over whole sequences, chunk by chunk (prefill).
 
     Args:
-        q: queries `[B, T, H, K]`.
-        k: keys `[B, T, H, K]`.
-        v: values `[B, T, H, V]`.
-        g: per-channel log decay (<= 0) `[B, T, H, K]`.
-        beta: write strengths `[B, T, H]`.
-        scale: query scale, default `K ** -0.5`.
-        initial_state: `[N, H, K, V]`, N = B, or the number of sequences with `cu_seqlens`.
-        output_final_state: return the final state of every sequence.
-        cu_seqlens: `i32[N + 1]` offsets of a packed batch (then B must be 1).
-        use_qk_l2norm_in_kernel: l2-normalise q and k (fp32) first.
         chunk_size: tokens per chunk, a power of two (default `CHUNK_SIZE`).
-
-    Returns:
-        `(o, final_state)`: o `[B, T, H, V]` in q's dtype, final_state `[N, H, K, V]` fp32 or None.
     """
-    shapes = static_validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     if chunk_size <= 0 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
-    if cu_seqlens is None:
-        cu_seqlens = jnp.arange(shapes.batch + 1, dtype=jnp.int32) * shapes.tokens
-    # Zeros are made here, not under jit: a call with and one without initial states share one program.
-    init = initial_or_zeros(initial_state, shapes.state_shape)
-    o, final = _chunk_kda(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        init,
-        jnp.asarray(cu_seqlens, jnp.int32),
-        scale=scale,
-        chunk_size=chunk_size,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-    )
-    return o, (final if output_final_state else None)
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "use_qk_l2norm_in_kernel"))
-def _chunk_kda(
-    q: jax.Array,  # [B, T, H, K]
-    k: jax.Array,  # [B, T, H, K]
-    v: jax.Array,  # [B, T, H, V]
-    g: jax.Array,  # [B, T, H, K]
-    beta: jax.Array,  # [B, T, H]
-    init: jax.Array,  # [N, H, K, V] fp32
-    cu_seqlens: jax.Array,  # i32[N + 1], offsets into the B*T flattened tokens
-    *,
-    scale: float | None,
-    chunk_size: int,
-    use_qk_l2norm_in_kernel: bool,
-) -> tuple[jax.Array, jax.Array]:
-    batch, tokens, heads, _ = q.shape
-    out_dtype = q.dtype
-    q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    flat = [x.reshape(batch * tokens, *x.shape[2:]) for x in (q, k, v, finite_log_decay(g), beta)]
-    o, final = _chunk_packed(*flat, init, cu_seqlens, scale, chunk_size)
-    return o.reshape(batch, tokens, heads, v.shape[-1]).astype(out_dtype), final
-
-
-@dataclasses.dataclass(frozen=True)
-class ChunkLayout:
-    """Where each chunk of a packed batch comes from.
-
-    token:    i32[NC, C] packed token index of each chunk row (0 where padded)
-    valid:    bool[NC, C] whether that row is a real token
-    seq:      i32[NC] sequence of each chunk (chunks past the last one repeat N-1, all rows invalid)
-    is_first: bool[NC] the chunk starts its sequence
-    slot:     i32[T] chunk of each packed token; row: i32[T] its row in that chunk
-    last:     i32[N] last chunk of each sequence; nonempty: bool[N]
-    """
-
-    token: jax.Array
-    valid: jax.Array
-    seq: jax.Array
-    is_first: jax.Array
-    slot: jax.Array
-    row: jax.Array
-    last: jax.Array
-    nonempty: jax.Array
-
-
-def chunk_layout(cu_seqlens: jax.Array, tokens: int, chunk_size: int) -> ChunkLayout:
-    """Cut every sequence of the packed batch into its own chunks; static size (T + N(C-1)) // C."""
-    num_seqs = cu_seqlens.shape[0] - 1
-    num_chunks = (tokens + num_seqs * (chunk_size - 1)) // chunk_size
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    chunks_per_seq = (lengths + chunk_size - 1) // chunk_size
-    chunk_offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(chunks_per_seq)]).astype(jnp.int32)
-    chunk = jnp.arange(num_chunks, dtype=jnp.int32)
-    owner = jnp.searchsorted(chunk_offsets[1:], chunk, side="right").astype(jnp.int32)
-    in_use = owner < num_seqs
-    seq = jnp.minimum(owner, num_seqs - 1)
-    local = chunk - chunk_offsets[seq]
-    token = cu_seqlens[seq][:, None] + local[:, None] * chunk_size + jnp.arange(chunk_size)[None, :]
-    valid = in_use[:, None] & (token < cu_seqlens[seq + 1][:, None])
-    token_seq = sequence_ids(cu_seqlens, tokens)
-    offset_in_seq = jnp.arange(tokens, dtype=jnp.int32) - cu_seqlens[token_seq]
-    return ChunkLayout(
-        token=jnp.where(valid, token, 0),
-        valid=valid,
-        seq=seq,
-        is_first=in_use & (local == 0),
-        slot=chunk_offsets[token_seq] + offset_in_seq // chunk_size,
-        row=offset_in_seq % chunk_size,
-        last=jnp.maximum(chunk_offsets[1:] - 1, 0),
-        nonempty=lengths > 0,
-    )
-
-
-def _to_chunks(x: jax.Array, layout: ChunkLayout) -> jax.Array:
-    """[T, H, ...] packed → [NC, H, C, ...] chunked, zeros in padded rows."""
-    gathered = x[layout.token]  # [NC, C, H, ...]
-    mask = layout.valid.reshape(layout.valid.shape + (1,) * (x.ndim - 1))
-    return jnp.moveaxis(jnp.where(mask, gathered, 0), 2, 1)
+    cu_seqlens = sequence_offsets(cu_seqlens, init.shape[0], q.shape[0])
+    return _chunk_packed(q, k, v, finite_log_decay(g), beta, init, cu_seqlens, scale, chunk_size)
 
 
 def _chunk_packed(
@@ -211,7 +99,7 @@ def _chunk_packed(
     end_token = first_token + jnp.sum(layout.valid, axis=1)
     # A chunk reads the C rows from its first token, or, within C of the end of the array, the last C
     # rows: its tokens then sit at the bottom of the window, below masked rows. No padded copy of the
-    # inputs is made (on XLA:CPU that copy cost ~10% of the kernel at T=1024).
+    # inputs is made, which would be one more pass over all of them.
     window_start = jnp.minimum(first_token, q.shape[0] - chunk_size)
 
     def step(carry, chunk):
@@ -259,18 +147,18 @@ def chunk_step(
     """One chunk (see the module docstring): (o [H, C, V], the state leaving it [H, K, V])."""
     size = g.shape[-2]
     prefix, suffix = decay_factors(g)
-    a_qk, a_kk = decay_scores(q * scale, k, prefix, suffix)
-    t_inverse = unit_lower_inverse(a_kk * beta[..., None])  # (I + A)^-1
+    aqk, kk = decay_scores(q * scale, k, prefix, suffix)  # Aqk, and Akk before its beta
+    akk_inverse = unit_lower_inverse(kk * beta[..., None])  # (I + Akk)^-1
     gamma, to_end = prefix[-1], suffix[-1]  # Γ = exp(G), exp(G_C - G)
-    # One product with the state for both uses: [beta k Γ ; scale q Γ] @ S.
+    # The state's two products in one: [beta k Γ ; scale q Γ] @ S.
     rows = jnp.concatenate([k * gamma * beta[..., None], q * gamma * scale], axis=-2)  # [H, 2C, K]
-    through_state = jnp.einsum("hck,hkv->hcv", rows, start, precision=HIGHEST)
-    new_values = jnp.einsum(
-        "hij,hjv->hiv", t_inverse, v * beta[..., None] - through_state[:, :size], precision=HIGHEST
-    )  # w = (I + A)^-1 (beta v - beta k Γ S)
-    written = jnp.einsum("hck,hcv->hkv", k * to_end, new_values, precision=HIGHEST)
-    end = gamma[:, -1, :, None] * start + written
-    o = through_state[:, size:] + jnp.einsum("hij,hjv->hiv", a_qk, new_values, precision=HIGHEST)
+    rows_s = jnp.einsum("hck,hkv->hcv", rows, start, precision=HIGHEST)
+    v_new = jnp.einsum(
+        "hij,hjv->hiv", akk_inverse, v * beta[..., None] - rows_s[:, :size], precision=HIGHEST
+    )  # u - w S = (I + Akk)^-1 (beta v - beta k Γ S)
+    kg = k * to_end  # k decayed to the chunk end
+    end = gamma[:, -1, :, None] * start + jnp.einsum("hck,hcv->hkv", kg, v_new, precision=HIGHEST)
+    o = rows_s[:, size:] + jnp.einsum("hij,hjv->hiv", aqk, v_new, precision=HIGHEST)
     return o, end
 
 
@@ -342,9 +230,9 @@ def _merge_blocks(
     return jnp.concatenate([upper, jnp.concatenate([quadrant, bottom], axis=-1)], axis=-2)
 
 
-# Below this block size the inverse's quadrant products are element-wise sums, not matmuls: XLA:CPU
-# spends ~1 us per matrix on a batched dot of tiny matrices (a [32, 8, 4, 4] batch: ~330 us), 5-10x the
-# element-wise form's cost; the halving levels h = 1, 2, 4, 8 took ~12% of the kernel at T=1024.
+# Up to this block size the inverse's quadrant products are element-wise sums, not matmuls: XLA:CPU
+# spends a fixed cost per matrix on a batched dot of tiny matrices, several times the element-wise
+# form's work.
 ELEMENTWISE_INVERSE_MAX_HALF = 8
 
 

@@ -1,7 +1,9 @@
 """Pieces shared by every KDA kernel and the layer: the one softplus, gate and l2norm of kda_impl, the fp32
-upcast, the log-decay floor and the packed-batch bookkeeping."""
+upcast, the log-decay floor and the packed-batch bookkeeping (sequence offsets, the chunk layout)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +40,7 @@ def finite_log_decay(g: jax.Array) -> jax.Array:
     A full reset, g = -inf, makes the chunked form's 0/1-mask matmuls compute `0 * -inf = NaN`. Every
     decay exponent there is a sum of g over a segment (g <= 0, see `chunk.py`), so a segment holding a
     floored value sums to <= -1e4, whose exp is exactly 0 in fp32 (as exp(-inf) is, and exp(g) of any
-    g < -104): the result is unchanged for every g <= 0, and finite where -inf gave NaN.
+    g < -104): the result is unchanged for every g <= 0, and finite where -inf would give NaN.
     """
     return jnp.maximum(g, LOG_DECAY_FLOOR)
 
@@ -73,8 +75,66 @@ def sequence_ids(cu_seqlens: jax.Array, tokens: int) -> jax.Array:
     return jnp.searchsorted(cu_seqlens[1:], positions, side="right").astype(jnp.int32)
 
 
+def sequence_offsets(cu_seqlens: jax.Array | None, num_seqs: int, tokens: int) -> jax.Array:
+    """i32[N + 1]: `cu_seqlens`, or without them the offsets of N rows of equal length that fill the
+    `tokens` packed tokens (a batch of N rows of T tokens, flattened)."""
+    if cu_seqlens is None:
+        return jnp.arange(num_seqs + 1, dtype=jnp.int32) * (tokens // num_seqs)
+    return jnp.asarray(cu_seqlens, jnp.int32)
+
+
 def initial_or_zeros(initial_state: jax.Array | None, shape: tuple[int, ...]) -> jax.Array:
     """The fp32 initial states [N, H, K, V], zeros when none are given."""
     if initial_state is None:
         return jnp.zeros(shape, jnp.float32)
     return jnp.asarray(initial_state, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkLayout:
+    """Where each chunk of a packed batch comes from.
+
+    token:    i32[NC, C] packed token index of each chunk row (0 where padded)
+    valid:    bool[NC, C] whether that row is a real token
+    seq:      i32[NC] sequence of each chunk (chunks past the last one repeat N-1, all rows invalid)
+    is_first: bool[NC] the chunk starts its sequence
+    slot:     i32[T] chunk of each packed token; row: i32[T] its row in that chunk
+    last:     i32[N] last chunk of each sequence; nonempty: bool[N]
+    """
+
+    token: jax.Array
+    valid: jax.Array
+    seq: jax.Array
+    is_first: jax.Array
+    slot: jax.Array
+    row: jax.Array
+    last: jax.Array
+    nonempty: jax.Array
+
+
+def chunk_layout(cu_seqlens: jax.Array, tokens: int, chunk_size: int) -> ChunkLayout:
+    """Cut every sequence of the packed batch into its own chunks; static size (T + N(C-1)) // C."""
+    num_seqs = cu_seqlens.shape[0] - 1
+    num_chunks = (tokens + num_seqs * (chunk_size - 1)) // chunk_size
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    chunks_per_seq = (lengths + chunk_size - 1) // chunk_size
+    chunk_offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(chunks_per_seq)]).astype(jnp.int32)
+    chunk = jnp.arange(num_chunks, dtype=jnp.int32)
+    owner = jnp.searchsorted(chunk_offsets[1:], chunk, side="right").astype(jnp.int32)
+    in_use = owner < num_seqs
+    seq = jnp.minimum(owner, num_seqs - 1)
+    local = chunk - chunk_offsets[seq]
+    token = cu_seqlens[seq][:, None] + local[:, None] * chunk_size + jnp.arange(chunk_size)[None, :]
+    valid = in_use[:, None] & (token < cu_seqlens[seq + 1][:, None])
+    token_seq = sequence_ids(cu_seqlens, tokens)
+    offset_in_seq = jnp.arange(tokens, dtype=jnp.int32) - cu_seqlens[token_seq]
+    return ChunkLayout(
+        token=jnp.where(valid, token, 0),
+        valid=valid,
+        seq=seq,
+        is_first=in_use & (local == 0),
+        slot=chunk_offsets[token_seq] + offset_in_seq // chunk_size,
+        row=offset_in_seq % chunk_size,
+        last=jnp.maximum(chunk_offsets[1:] - 1, 0),
+        nonempty=lengths > 0,
+    )

@@ -8,19 +8,18 @@ inputs upcast to fp32 once, and the loop body (`recurrent_step`) is the recurren
     S = S + beta_t * outer(k_t, v_t - k_t @ S)
     o_t = (scale * q_t) @ S
 
-The optimised chunked kernel (`chunk.py`) and the Pallas kernels are tested against it
-(tests/kda_impl/test_kernels.py, test_pallas_kernels.py). g = -inf is a full reset (exp(g) = 0).
+The chunk form's readable reference (`naive_chunk.py`) and the Pallas recurrent kernel are tested against
+it (tests/kda_impl/test_kernels.py, test_pallas_kernels.py). g = -inf is a full reset (exp(g) = 0).
+`@kda_entry_point` (`entry.py`) gives it fla's calling convention.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from kda_impl.kernels.common import HIGHEST, initial_or_zeros, prepare_inputs, sequence_ids
-from kda_impl.kernels.validation import static_validate_inputs
+from kda_impl.kernels.common import HIGHEST, sequence_ids
+from kda_impl.kernels.entry import kda_entry_point
 
 
 def recurrent_step(
@@ -40,76 +39,24 @@ def recurrent_step(
     return state, o
 
 
+@kda_entry_point()
 def fused_recurrent_kda(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
-    *,
-    scale: float | None = None,
-    initial_state: jax.Array | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: jax.Array | None = None,
-    use_qk_l2norm_in_kernel: bool = False,
-) -> tuple[jax.Array, jax.Array | None]:
-    r"""KDA as a token recurrence (decode and short prefill).
-
-    Args:
-        q: queries `[B, T, H, K]`.
-        k: keys `[B, T, H, K]`.
-        v: values `[B, T, H, V]`.
-        g: per-channel log decay (<= 0) `[B, T, H, K]`.
-        beta: write strengths `[B, T, H]`.
-        scale: query scale, default `K ** -0.5`.
-        initial_state: `[N, H, K, V]`, N = B, or the number of sequences with `cu_seqlens`.
-        output_final_state: return the final state of every sequence.
-        cu_seqlens: `i32[N + 1]` offsets of a packed batch (then B must be 1).
-        use_qk_l2norm_in_kernel: l2-normalise q and k (fp32) first.
-
-    Returns:
-        `(o, final_state)`: o `[B, T, H, V]` in q's dtype, final_state `[N, H, K, V]` fp32 or None.
-    """
-    shapes = static_validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    if cu_seqlens is not None:
-        cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
-    # Zeros are made here, not under jit: a call with and one without initial states share one program.
-    init = initial_or_zeros(initial_state, shapes.state_shape)
-    o, final = _fused_recurrent_kda(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        init,
-        cu_seqlens,
-        scale=scale,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-    )
-    return o, (final if output_final_state else None)
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm_in_kernel"))
-def _fused_recurrent_kda(
-    q: jax.Array,  # [B, T, H, K]
-    k: jax.Array,  # [B, T, H, K]
-    v: jax.Array,  # [B, T, H, V]
-    g: jax.Array,  # [B, T, H, K]
-    beta: jax.Array,  # [B, T, H]
+    q: jax.Array,  # [T, H, K] packed, fp32
+    k: jax.Array,  # [T, H, K]
+    v: jax.Array,  # [T, H, V]
+    g: jax.Array,  # [T, H, K]
+    beta: jax.Array,  # [T, H]
     init: jax.Array,  # [N, H, K, V] fp32
-    cu_seqlens: jax.Array | None,  # i32[N + 1]
+    cu_seqlens: jax.Array | None,  # i32[N + 1], or None: N rows of equal length
     *,
-    scale: float | None,
-    use_qk_l2norm_in_kernel: bool,
+    scale: float,
 ) -> tuple[jax.Array, jax.Array]:
-    out_dtype = q.dtype
-    q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    if cu_seqlens is None:
-        o, final = _scan_equal_lengths(q * scale, k, v, g, beta, init)
-    else:
-        o, final = _scan_packed(q[0] * scale, k[0], v[0], g[0], beta[0], init, cu_seqlens)
-        o = o[None]
-    return o.astype(out_dtype), final
+    """KDA as a token recurrence (decode and short prefill)."""
+    if cu_seqlens is None:  # N rows of equal length, one sequence each: stepped together
+        rows = [x.reshape(init.shape[0], -1, *x.shape[1:]) for x in (q * scale, k, v, g, beta)]
+        o, final = _scan_equal_lengths(*rows, init)
+        return o.reshape(-1, *o.shape[2:]), final
+    return _scan_packed(q * scale, k, v, g, beta, init, cu_seqlens)
 
 
 def _scan_equal_lengths(

@@ -1,5 +1,5 @@
-"""Random KDA kernel inputs from replayable seeds (`$KDA_TEST_SEED`), the fla reference and the kernel call,
-shared by the kernel tests."""
+"""Random KDA kernel inputs from replayable seeds (`$KDA_TEST_SEED`), the references (fla's torch kernels,
+kda_impl's float64 chunk form) and the kernel call, shared by the kernel tests."""
 
 from __future__ import annotations
 
@@ -98,6 +98,21 @@ def fla_reference(
         if flushed:
             torch.set_flush_denormal(False)
     return o[:, :tokens].numpy(), state.numpy()
+
+
+def naive_chunk_reference(
+    inputs: dict[str, np.ndarray], initial_state: np.ndarray | None = None, **kwargs
+) -> tuple[np.ndarray, np.ndarray]:
+    """The chunk form's reference: `naive_chunk_kda` in float64 on `inputs` (q, k normalised in-kernel),
+    (o, final state) as float64 numpy; `kwargs` as the kernels take them (`cu_seqlens`, `chunk_size`)."""
+    import jax
+
+    from kda_impl.kernels.naive_chunk import naive_chunk_kda
+
+    with jax.enable_x64(True):
+        wide = {name: x.astype(np.float64) for name, x in inputs.items()}
+        h0 = None if initial_state is None else initial_state.astype(np.float64)
+        return run_kernel(naive_chunk_kda, wide, initial_state=h0, **kwargs)
 
 
 def run_kernel(kernel, inputs: dict[str, np.ndarray], **kwargs) -> tuple[np.ndarray, np.ndarray]:

@@ -1,5 +1,6 @@
-"""The plain-JAX kernels against fla-core's torch references and the token recurrence, on seeded inputs
-(`$KDA_TEST_SEED`, see kernel_inputs.seeded_rng)."""
+"""The plain-JAX kernels against fla-core's torch references, the token recurrence and the chunk form's
+reference (`naive_chunk_kda` in float64), on seeded inputs (`$KDA_TEST_SEED`, see
+kernel_inputs.seeded_rng)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ import pytest
 
 from kda_impl.kernels import naive
 from kda_impl.kernels.common import softplus
+from kda_spec.truth import packed_delta_rule
 from tests.kda_impl.kernel_inputs import (
     DEFAULT_SEED,
     SEED_ENV,
     fla_reference,
+    l2normalise,
+    naive_chunk_reference,
     random_kernel_inputs,
     run_kernel,
     seed_from_env,
@@ -38,7 +42,13 @@ def fla():
     return pytest.importorskip("fla.ops.kda.naive")
 
 
-KERNELS = {"chunk": naive.chunk_kda, "recurrent": naive.fused_recurrent_kda}
+# The plain-JAX kernels, and the chunk form's reference in float32 (held to fla and to the same argument
+# checks as the kernels).
+KERNELS = {
+    "chunk": naive.chunk_kda,
+    "recurrent": naive.fused_recurrent_kda,
+    "naive_chunk": naive.naive_chunk_kda,
+}
 
 
 @pytest.mark.torch
@@ -55,26 +65,25 @@ def test_kernel_matches_fla_naive(rng, fla, kernel, tokens, with_state):
         np.testing.assert_allclose(state, ref_state, **FP32)
 
 
-@pytest.mark.torch
 @pytest.mark.parametrize("decay", ["strong", "mixed"])
 @pytest.mark.parametrize("tokens", [65, 200])
-def test_chunk_exact_under_strong_decay(rng, fla, decay, tokens):
-    """g down to -60 per token: the factorised form would overflow; results stay finite and exact."""
+def test_chunk_exact_under_strong_decay(rng, decay, tokens):
+    """g down to -60 per token: the factorised form would overflow; results stay finite and exact, against
+    the chunk form in float64."""
     inputs = random_kernel_inputs(rng, tokens, decay=decay)
     h0 = rng.standard_normal((1, 2, 32, 32)).astype(np.float32)
     o, state = run_kernel(naive.chunk_kda, inputs, initial_state=h0)
     assert np.all(np.isfinite(o)) and np.all(np.isfinite(state))
-    ref_o, ref_state = fla_reference(inputs, h0)
+    ref_o, ref_state = naive_chunk_reference(inputs, h0)
     np.testing.assert_allclose(o, ref_o, **FP32)
     np.testing.assert_allclose(state, ref_state, **FP32)
 
 
-@pytest.mark.torch
-def test_head_dim_128_long_sequence(rng, fla):
-    """The real head size over a long sequence: chunk == fla naive recurrent, state included."""
+def test_head_dim_128_long_sequence(rng):
+    """The real head size over a long sequence: chunk == the chunk form in float64, state included."""
     inputs = random_kernel_inputs(rng, 1000, heads=2, dim=128)
     o, state = run_kernel(naive.chunk_kda, inputs)
-    ref_o, ref_state = fla_reference(inputs, None)
+    ref_o, ref_state = naive_chunk_reference(inputs)
     np.testing.assert_allclose(o, ref_o, **FP32)
     np.testing.assert_allclose(state, ref_state, **FP32)
 
@@ -108,19 +117,52 @@ def test_padded_tail_leaves_state_untouched(rng):
 
 
 @pytest.mark.parametrize("decay", ["realistic", "strong", "mixed"])
-def test_chunk_matches_the_token_recurrence(rng, decay):
-    """The optimised chunk kernel == its math-first reference, the token loop, on a packed batch with
-    initial states: partial chunks, a whole chunk, an empty sequence, several chunks."""
+def test_chunk_matches_the_chunk_form(rng, decay):
+    """The optimised chunk kernel == its readable reference, `naive_chunk_kda` in float64, on a packed batch
+    with initial states: partial chunks, a whole chunk, an empty sequence, several chunks."""
     lengths = [3, 0, 64, 65, 130]
     cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     inputs = random_kernel_inputs(rng, int(cu_seqlens[-1]), decay=decay)
     h0 = rng.standard_normal((len(lengths), 2, 32, 32)).astype(np.float32)
     packed = {"initial_state": h0, "cu_seqlens": cu_seqlens}
     o, state = run_kernel(naive.chunk_kda, inputs, **packed)
-    loop_o, loop_state = run_kernel(naive.fused_recurrent_kda, inputs, **packed)
+    ref_o, ref_state = naive_chunk_reference(inputs, **packed)
     assert np.all(np.isfinite(o)) and np.all(np.isfinite(state))
-    np.testing.assert_allclose(o, loop_o, **FP32)
-    np.testing.assert_allclose(state, loop_state, **FP32)
+    np.testing.assert_allclose(o, ref_o, **FP32)
+    np.testing.assert_allclose(state, ref_state, **FP32)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+@pytest.mark.parametrize("decay", ["realistic", "strong", "mixed"])
+def test_naive_chunk_matches_the_float64_recurrence(rng, decay, chunk_size):
+    """`naive_chunk_kda` in float64 == the token recurrence in float64 (`kda_spec.truth`) to float64
+    rounding, g down to -60 per token included: empty, one-token, partial and whole-chunk sequences."""
+    lengths = [0, 1, 15, 16, 63, 64, 65, 130]
+    cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    inputs = random_kernel_inputs(rng, int(cu_seqlens[-1]), decay=decay)
+    h0 = rng.standard_normal((len(lengths), 2, 32, 32))
+    o, state = naive_chunk_reference(inputs, h0, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+    wide = {name: x[0].astype(np.float64) for name, x in inputs.items()}
+    q, k = l2normalise(wide["q"]), l2normalise(wide["k"])
+    ref_o, ref_state = packed_delta_rule(q, k, wide["v"], wide["g"], wide["beta"], cu_seqlens, h0)
+    assert o.dtype == state.dtype == np.float64
+    np.testing.assert_allclose(o[0], ref_o, atol=1e-12, rtol=1e-10)
+    np.testing.assert_allclose(state, ref_state, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "init-state"])
+def test_naive_chunk_matches_the_token_recurrence(rng, with_state):
+    """In float32, with the kernels' arguments: B = 2 rows of T = 70 tokens (no cu_seqlens, a partial last
+    chunk), a given scale, with and without initial states: `naive_chunk_kda` == `fused_recurrent_kda`."""
+    inputs = random_kernel_inputs(rng, 70, batch=2)
+    h0 = rng.standard_normal((2, 2, 32, 32)).astype(np.float32) if with_state else None
+    o, state = run_kernel(naive.naive_chunk_kda, inputs, initial_state=h0, scale=0.3)
+    ref_o, ref_state = run_kernel(naive.fused_recurrent_kda, inputs, initial_state=h0, scale=0.3)
+    assert o.dtype == state.dtype == np.float32
+    np.testing.assert_allclose(o, ref_o, **FP32)
+    np.testing.assert_allclose(state, ref_state, **FP32)
+    o, no_state = naive.naive_chunk_kda(**inputs)
+    assert no_state is None and o.shape == inputs["v"].shape
 
 
 def test_full_reset_g_minus_inf_matches_the_token_recurrence(rng):
@@ -244,7 +286,7 @@ def test_decode_refuses_integer_or_bool_inputs(rng, name):
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_softplus_matches_float64(jit):
-    """torch's softplus to fp32 accuracy: `log(1 + exp(z))` was 0.9 % off at z = -12, 6 % at -16, 0 below."""
+    """torch's softplus to fp32 accuracy: `log(1 + exp(z))` is 0.9 % off at z = -12, 6 % at -16, 0 below."""
     z = np.array([-30.0, -16.0, -12.0, -8.0, 0.0, 19.9, 20.1, 30.0], np.float32)
     exact = np.where(z > 20, z, np.log1p(np.exp(z.astype(np.float64))))
     fn = jax.jit(softplus) if jit else softplus

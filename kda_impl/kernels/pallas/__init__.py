@@ -1,8 +1,9 @@
 """The Pallas KDA kernels (RFC §1.4, §4.2): native on TPU, interpret mode elsewhere.
 
-Same names and signatures as `kda_impl.kernels.naive` (their readable references), plus `interpret`
+Same names and signatures as the plain-JAX kernels of `kda_impl.kernels.naive`, plus `interpret`
 (default: interpret unless the backend is TPU) and, for `chunk_kda`, fla's in-kernel gate
-(`use_gate_in_kernel`, `A_log`, `dt_bias`).
+(`use_gate_in_kernel`, `A_log`, `dt_bias`). Their references: `naive.naive_chunk_kda` (the chunk form),
+`naive.fused_recurrent_kda` (the token recurrence), `naive.decode_kda_slots`.
 """
 
 from kda_impl.kernels.pallas.chunk import chunk_kda

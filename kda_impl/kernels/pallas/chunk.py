@@ -1,7 +1,7 @@
 """`chunk_kda` as a Pallas kernel: the chunked (WY) form of `kda_impl.kernels.chunk`, fused.
 
-Reference: `kda_impl.kernels.chunk.chunk_kda` (same algorithm in plain JAX, whose docstring derives
-it) and `naive_recurrent.fused_recurrent_kda` (the recurrence itself); the tests hold all three equal.
+Reference: `kda_impl.kernels.naive_chunk.naive_chunk_kda` (the same equations in fla's names, computed as
+written, in float64 in the tests); `kda_impl.kernels.chunk` derives the form.
 
 Grid `(H, NC)`: heads in parallel, the chunks of the packed batch in order. Each step takes one chunk
 of one head (`[C, K]` q, k, g, `[C, V]` v, `[C, 1]` beta), computes its state-independent part (decay
@@ -28,80 +28,62 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kda_impl.kernels.chunk import _to_chunks
-from kda_impl.kernels.common import finite_log_decay, initial_or_zeros, kda_gate, prepare_inputs
+from kda_impl.kernels.common import finite_log_decay, kda_gate, sequence_offsets
+from kda_impl.kernels.entry import kda_entry_point
 from kda_impl.kernels.pallas.common import (
     chunk_schedule,
     dot,
     dot_nt,
     masked_sum,
     resolve_interpret,
+    to_chunks,
 )
 from kda_impl.kernels.pallas.tuning import CHUNK_SIZE, SUB_BLOCK
-from kda_impl.kernels.validation import static_validate_inputs
 
 
+@kda_entry_point(static=("chunk_size", "use_gate_in_kernel", "interpret"))
 def chunk_kda(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
+    q: jax.Array,  # [T, H, K] packed, fp32
+    k: jax.Array,  # [T, H, K]
+    v: jax.Array,  # [T, H, V]
+    g: jax.Array,  # [T, H, K] log decay, or the raw gate with `use_gate_in_kernel`
+    beta: jax.Array,  # [T, H]
+    init: jax.Array,  # [N, H, K, V] fp32
+    cu_seqlens: jax.Array | None,  # i32[N + 1], or None: N rows of equal length
     *,
-    scale: float | None = None,
-    initial_state: jax.Array | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: jax.Array | None = None,
-    use_qk_l2norm_in_kernel: bool = False,
+    scale: float,
     chunk_size: int = CHUNK_SIZE,
     use_gate_in_kernel: bool = False,
     A_log: jax.Array | None = None,  # fla's name
     dt_bias: jax.Array | None = None,
     interpret: bool | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
-    r"""KDA over whole sequences, chunk by chunk (prefill), as one Pallas kernel.
+) -> tuple[jax.Array, jax.Array]:
+    """KDA over whole sequences, chunk by chunk (prefill), as one Pallas kernel.
 
     Args:
-        q: queries `[B, T, H, K]`.
-        k: keys `[B, T, H, K]`.
-        v: values `[B, T, H, V]`.
-        g: per-channel log decay (<= 0) `[B, T, H, K]`; with `use_gate_in_kernel` the raw gate instead.
-        beta: write strengths `[B, T, H]`.
-        scale: query scale, default `K ** -0.5`.
-        initial_state: `[N, H, K, V]`, N = B, or the number of sequences with `cu_seqlens`.
-        output_final_state: return the final state of every sequence.
-        cu_seqlens: `i32[N + 1]` offsets of a packed batch (then B must be 1).
-        use_qk_l2norm_in_kernel: l2-normalise q and k (fp32) first.
         chunk_size: tokens per chunk, a positive multiple of 16.
-        use_gate_in_kernel: compute `g = -exp(A_log[h]) * softplus(g + dt_bias[h])` inside the kernel.
+        use_gate_in_kernel: g is the raw gate; the kernel computes the decay
+            `-exp(A_log[h]) * softplus(g + dt_bias[h])`.
         A_log: `[H]`, with `use_gate_in_kernel` only.
         dt_bias: `[H, K]` or fla's flat `[H * K]`, optional, with `use_gate_in_kernel` only.
         interpret: run the kernel in interpret mode; default: unless the backend is TPU.
-
-    Returns:
-        `(o, final_state)`: o `[B, T, H, V]` in q's dtype, final_state `[N, H, K, V]` fp32 or None.
     """
-    shapes = static_validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     if chunk_size % SUB_BLOCK or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive multiple of {SUB_BLOCK}, got {chunk_size}")
-    gate = validate_gate_inputs(use_gate_in_kernel, A_log, dt_bias, shapes.heads, shapes.key_dim)
-    out_dtype = q.dtype
-    q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    init = initial_or_zeros(initial_state, shapes.state_shape)
-    batch, tokens = shapes.batch, shapes.tokens
-    if cu_seqlens is None:
-        cu_seqlens = jnp.arange(batch + 1, dtype=jnp.int32) * tokens
-    flat = [x.reshape(batch * tokens, *x.shape[2:]) for x in (q * scale, k, v, g, beta)]
-    o, final = _chunk_packed(
-        *flat,
+    heads, key_dim = q.shape[1:]
+    gate = validate_gate_inputs(use_gate_in_kernel, A_log, dt_bias, heads, key_dim)
+    return _chunk_packed(
+        q * scale,
+        k,
+        v,
+        g,
+        beta,
         init,
-        jnp.asarray(cu_seqlens, jnp.int32),
+        sequence_offsets(cu_seqlens, init.shape[0], q.shape[0]),
         gate,
         chunk_size=chunk_size,
         interpret=resolve_interpret(interpret),
     )
-    o = o.reshape(batch, tokens, shapes.heads, shapes.value_dim)
-    return o.astype(out_dtype), (final if output_final_state else None)
 
 
 def validate_gate_inputs(
@@ -130,7 +112,6 @@ def validate_gate_inputs(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "interpret"))
 def _chunk_packed(
     q: jax.Array,  # [T, H, K] fp32, scaled
     k: jax.Array,  # [T, H, K]
@@ -148,7 +129,7 @@ def _chunk_packed(
     heads, key_dim = q.shape[1:]
     value_dim = v.shape[-1]
     layout, schedule = chunk_schedule(cu_seqlens, q.shape[0], chunk_size)
-    qc, kc, vc, gc, bc = (_to_chunks(x, layout) for x in (q, k, v, g, beta))
+    qc, kc, vc, gc, bc = (to_chunks(x, layout) for x in (q, k, v, g, beta))
     num_chunks = qc.shape[0]
 
     def chunk_block(dim: int) -> pl.BlockSpec:  # [NC, H, C, dim] → one chunk of one head
@@ -226,16 +207,17 @@ def _chunk_kernel(
     q, k, v, beta = q_ref[...], k_ref[...], v_ref[...], beta_ref[...]
 
     prefix, to_end, from_block_start = _segment_sums(g)
-    a_qk, a_kk = _decay_scores(q, k, g, from_block_start)
-    decay = jnp.exp(prefix)  # Γ <= 1
-    inverse = _unit_lower_inverse(a_kk * beta)  # (I + A)^-1
-    u = dot(inverse, v * beta)
-    w_k = dot(inverse, k * decay * beta)
+    aqk, kk = _decay_scores(q, k, g, from_block_start)  # Aqk, and Akk before its beta
+    gamma = jnp.exp(prefix)  # Γ <= 1
+    akk_inverse = _unit_lower_inverse(kk * beta)  # (I + Akk)^-1
+    u = dot(akk_inverse, v * beta)
+    w = dot(akk_inverse, k * gamma * beta)
     start = state_ref[...]
-    new_values = u - dot(w_k, start)  # [C, V]
-    o_ref[...] = dot(q * decay, start) + dot(a_qk, new_values)
-    chunk_decay = decay.T[:, -1:]  # [K, 1] Γ_C, the decay of the whole chunk per key channel
-    end = chunk_decay * start + dot((k * jnp.exp(to_end)).T, new_values)
+    v_new = u - dot(w, start)  # [C, V]
+    o_ref[...] = dot(q * gamma, start) + dot(aqk, v_new)
+    chunk_decay = gamma.T[:, -1:]  # [K, 1] Γ_C, the decay of the whole chunk per key channel
+    kg = k * jnp.exp(to_end)  # k decayed to the chunk end
+    end = chunk_decay * start + dot(kg.T, v_new)
     state_ref[...] = end
 
     @pl.when(rows_ref[chunk] > 0)  # the unused chunks at the end write nothing

@@ -1,13 +1,12 @@
-"""Pieces shared by the Pallas KDA kernels: interpret-mode choice, fp32 dots, the gate, the column layout
-of one token and the per-chunk schedule read through scalar prefetch."""
+"""Pieces shared by the Pallas KDA kernels: interpret-mode choice, fp32 dots, the column layout of one
+token, the packed batch cut into chunks and the per-chunk schedule read through scalar prefetch."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from kda_impl.kernels.chunk import ChunkLayout, chunk_layout
-from kda_impl.kernels.common import HIGHEST
+from kda_impl.kernels.common import HIGHEST, ChunkLayout, chunk_layout
 
 COLUMNS = 4  # q, k, g, beta of one token as the columns of a [K, 4] block (see `pack_columns`)
 
@@ -82,3 +81,10 @@ def chunk_schedule(
     layout = chunk_layout(cu_seqlens, tokens, chunk_size)
     rows = jnp.sum(layout.valid, axis=1, dtype=jnp.int32)
     return layout, (layout.seq, layout.is_first.astype(jnp.int32), rows)
+
+
+def to_chunks(x: jax.Array, layout: ChunkLayout) -> jax.Array:
+    """[T, H, ...] packed → [NC, H, C, ...] chunked, zeros in padded rows."""
+    gathered = x[layout.token]  # [NC, C, H, ...]
+    mask = layout.valid.reshape(layout.valid.shape + (1,) * (x.ndim - 1))
+    return jnp.moveaxis(jnp.where(mask, gathered, 0), 2, 1)

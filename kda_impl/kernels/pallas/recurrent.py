@@ -4,7 +4,7 @@ Reference: `kda_impl.kernels.naive_recurrent.fused_recurrent_kda`, whose step `c
 for line.
 
 B requests × T tokens and packed batches (`cu_seqlens`) run the same way: every sequence is cut into its
-own zero-padded blocks of `RECURRENT_TOKENS_PER_STEP` tokens (chunk.py's chunk layout; a padded token
+own zero-padded blocks of `RECURRENT_TOKENS_PER_STEP` tokens (`common.chunk_layout`; a padded token
 has k = g = beta = 0 and leaves the state unchanged). Grid `(H, NC)`: heads in parallel, blocks in order;
 each step loops over its tokens with the state in VMEM scratch, reset from the sequence's initial state
 at its first block and written to its final-state block after each block, both chosen through the
@@ -14,74 +14,47 @@ block and v as a `[1, V]` row, so every op is a lane broadcast or a sublane redu
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kda_impl.kernels.chunk import _to_chunks
-from kda_impl.kernels.common import initial_or_zeros, prepare_inputs
+from kda_impl.kernels.common import sequence_offsets
+from kda_impl.kernels.entry import kda_entry_point
 from kda_impl.kernels.pallas.common import (
     COLUMNS,
     chunk_schedule,
     column_step,
     pack_columns,
     resolve_interpret,
+    to_chunks,
 )
 from kda_impl.kernels.pallas.tuning import RECURRENT_TOKENS_PER_STEP
-from kda_impl.kernels.validation import static_validate_inputs
 
 
+@kda_entry_point(static=("interpret",))
 def fused_recurrent_kda(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
+    q: jax.Array,  # [T, H, K] packed, fp32
+    k: jax.Array,  # [T, H, K]
+    v: jax.Array,  # [T, H, V]
+    g: jax.Array,  # [T, H, K]
+    beta: jax.Array,  # [T, H]
+    init: jax.Array,  # [N, H, K, V] fp32
+    cu_seqlens: jax.Array | None,  # i32[N + 1], or None: N rows of equal length
     *,
-    scale: float | None = None,
-    initial_state: jax.Array | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: jax.Array | None = None,
-    use_qk_l2norm_in_kernel: bool = False,
+    scale: float,
     interpret: bool | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
-    r"""KDA as a token recurrence (decode and short prefill), as one Pallas kernel.
+) -> tuple[jax.Array, jax.Array]:
+    """KDA as a token recurrence (decode and short prefill), as one Pallas kernel.
 
     Args:
-        q: queries `[B, T, H, K]`.
-        k: keys `[B, T, H, K]`.
-        v: values `[B, T, H, V]`.
-        g: per-channel log decay (<= 0) `[B, T, H, K]`.
-        beta: write strengths `[B, T, H]`.
-        scale: query scale, default `K ** -0.5`.
-        initial_state: `[N, H, K, V]`, N = B, or the number of sequences with `cu_seqlens`.
-        output_final_state: return the final state of every sequence.
-        cu_seqlens: `i32[N + 1]` offsets of a packed batch (then B must be 1).
-        use_qk_l2norm_in_kernel: l2-normalise q and k (fp32) first.
         interpret: run the kernel in interpret mode; default: unless the backend is TPU.
-
-    Returns:
-        `(o, final_state)`: o `[B, T, H, V]` in q's dtype, final_state `[N, H, K, V]` fp32 or None.
     """
-    shapes = static_validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    out_dtype = q.dtype
-    q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    init = initial_or_zeros(initial_state, shapes.state_shape)
-    batch, tokens = shapes.batch, shapes.tokens
-    if cu_seqlens is None:
-        cu_seqlens = jnp.arange(batch + 1, dtype=jnp.int32) * tokens
-    flat = [x.reshape(batch * tokens, *x.shape[2:]) for x in (q * scale, k, v, g, beta)]
-    o, final = _recurrent_packed(
-        *flat, init, jnp.asarray(cu_seqlens, jnp.int32), interpret=resolve_interpret(interpret)
-    )
-    o = o.reshape(batch, tokens, shapes.heads, shapes.value_dim)
-    return o.astype(out_dtype), (final if output_final_state else None)
+    cu_seqlens = sequence_offsets(cu_seqlens, init.shape[0], q.shape[0])
+    interpret = resolve_interpret(interpret)
+    return _recurrent_packed(q * scale, k, v, g, beta, init, cu_seqlens, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
 def _recurrent_packed(
     q: jax.Array,  # [T, H, K] fp32, scaled
     k: jax.Array,  # [T, H, K]
@@ -98,7 +71,7 @@ def _recurrent_packed(
     value_dim = v.shape[-1]
     block = RECURRENT_TOKENS_PER_STEP
     layout, schedule = chunk_schedule(cu_seqlens, q.shape[0], block)
-    qc, kc, vc, gc, bc = (_to_chunks(x, layout) for x in (q, k, v, g, beta))
+    qc, kc, vc, gc, bc = (to_chunks(x, layout) for x in (q, k, v, g, beta))
     columns = pack_columns(qc, kc, gc, bc)  # [NC, H, block, K, 4]
     num_blocks = columns.shape[0]
 
