@@ -117,19 +117,29 @@ bench: $(VENV)/.full-$(PLATFORM)
 device-check:
 	PYTHON=$(PYTHON) bash benchmarks/device_check.sh $(DEVICE_CHECK_ARGS)
 
-# Opt-in, not in CI: sglang-jax's KDA (examples/sglang_jax/) on golden/ and on a strong-decay set.
+# Opt-in, not in CI: sglang-jax's KDA (examples/sglang_jax/) on golden/, then `conformance search` on it
+# (no hand-made set: generated cases, seed 0, 600 s to find, up to 1200 s to shrink, as each new shape
+# compiles on a CPU) and the suite's run of the reproducer it writes. Exit status 1 when any of them
+# failed (sglang-jax does: examples/sglang_jax/README.md).
 SGLANG_JAX ?=
-SGLANG_JAX_RUN = $(PY) -m conformance run --impl examples.sglang_jax.adapter:SglangJaxAdapter \
-	--impl-option sglang_jax=$(SGLANG_JAX)
+SGLANG_JAX_SEARCH_BUDGET ?= 600
+SGLANG_JAX_SHRINK_BUDGET ?= 1200
+SGLANG_JAX_IMPL = --impl examples.sglang_jax.adapter:SglangJaxAdapter --impl-option sglang_jax=$(SGLANG_JAX)
+SGLANG_JAX_RUN = $(PY) -m conformance run $(SGLANG_JAX_IMPL)
+SGLANG_JAX_SEARCH_OUT = $(REPORT_DIR)/sglang-jax-search
 conform-sglang-jax: $(VENV)/.full-$(PLATFORM)
 	@test -n "$(SGLANG_JAX)" || { echo "give the checkout: make conform-sglang-jax SGLANG_JAX=/path/to/sglang-jax"; exit 2; }
-	test -f dumps/stress-mini/manifest.json || $(PY) -m dump_gen --out dumps/stress-mini --preset mini \
-		--weights stress --cases T8 T65 varlen_initstate T333 varlen_70_3 --no-progress
 	status=0; \
 	$(SGLANG_JAX_RUN) --dumps golden --report-dir $(REPORT_DIR)/sglang-jax-golden \
 		-- -W ignore::DeprecationWarning || status=1; \
-	$(SGLANG_JAX_RUN) --dumps dumps/stress-mini --report-dir $(REPORT_DIR)/sglang-jax-stress \
-		-- -W ignore::DeprecationWarning || status=1; \
+	rm -rf $(SGLANG_JAX_SEARCH_OUT); \
+	$(PY) -W ignore::DeprecationWarning -m conformance search $(SGLANG_JAX_IMPL) --preset mini --dtypes fp32 \
+		--seed 0 --budget $(SGLANG_JAX_SEARCH_BUDGET) --shrink-budget $(SGLANG_JAX_SHRINK_BUDGET) \
+		--out $(SGLANG_JAX_SEARCH_OUT) || status=1; \
+	if test -f $(SGLANG_JAX_SEARCH_OUT)/reproducer/manifest.json; then \
+		$(SGLANG_JAX_RUN) --dumps $(SGLANG_JAX_SEARCH_OUT)/reproducer --dtypes fp32 \
+			--report-dir $(REPORT_DIR)/sglang-jax-reproducer -- -W ignore::DeprecationWarning || status=1; \
+	fi; \
 	exit $$status
 
 clean-venv:

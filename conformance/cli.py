@@ -128,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     search.add_argument("--max-tokens", type=int, default=512, help="tokens per case at most (512)")
     search.add_argument("--max-seqs", type=int, default=6, help="sequences per case at most (6)")
-    search.add_argument("--shrink-budget", type=float, default=300.0, metavar="SECONDS", help="(300)")
+    search.add_argument(
+        "--shrink-budget", type=float, default=300.0, metavar="SECONDS", help="time to shrink a finding (300)"
+    )
     search.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 

@@ -8,18 +8,24 @@ shrinks it (fewer and shorter sequences, zero state, unit scale, natural gate an
 set and dtype: each field towards its first value, `space.case_strategy`), keeping only cases that fail
 the target check. A case is judged once (`memo`): hypothesis may ask again, and the answer must not
 change. Shrinking stops after `shrink_budget_s`: from then on a new case counts as passing, and the
-smallest failing case found so far is the result.
+smallest failing case found so far is the result. Hypothesis's own cap on one shrink (five minutes,
+`engine.MAX_SHRINKING_SECONDS`, monkeypatchable by its documentation) is raised to `shrink_budget_s`
+while the search runs, so that `shrink_budget_s` bounds the shrink. Without that, the shrink of a slow
+implementation (sglang-jax's interpreted Pallas kernels compile each new shape: 26 cases in 423 s on a
+CPU) stopped at five minutes whatever the budget, and where it stopped depended on the machine's speed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
+from hypothesis.internal.conjecture import engine
 
 from conformance.search.judge import CaseVerdict
 from conformance.search.space import SearchCase
@@ -59,6 +65,17 @@ class Exploration:
     def drawing_s(self) -> float:
         """The seconds spent drawing and judging, before any shrinking."""
         return self.seconds if self.finding is None else self.finding.found_s
+
+
+@contextlib.contextmanager
+def shrinking_allowed(seconds: float) -> Iterator[None]:
+    """Hypothesis's cap on the time of one shrink raised to `seconds` (never lowered), restored after."""
+    before = engine.MAX_SHRINKING_SECONDS
+    engine.MAX_SHRINKING_SECONDS = max(before, seconds)
+    try:
+        yield
+    finally:
+        engine.MAX_SHRINKING_SECONDS = before
 
 
 def explore(
@@ -115,7 +132,8 @@ def explore(
             print_blob=False,
         )(hypothesis_seed(seed * 1_000_003 + batch)(given(cases)(probe)))
         try:
-            run()
+            with shrinking_allowed(shrink_budget_s):
+                run()
         except _Flagged:
             shrunk = state["smallest"]
             finding = Finding(

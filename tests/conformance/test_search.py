@@ -12,6 +12,7 @@ import json
 import numpy as np
 import pytest
 from hypothesis import find, given, settings
+from hypothesis.internal.conjecture import engine
 
 from conformance import cli
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
@@ -21,7 +22,7 @@ from conformance.search import reproducer
 from conformance.search.command import weight_sets
 from conformance.search.dumpcase import CASE_ID
 from conformance.search.explore import explore
-from conformance.search.judge import HEADROOM, Judge
+from conformance.search.judge import HEADROOM, CaseVerdict, CheckJudgement, Judge
 from conformance.search.space import SearchCase, case_inputs, case_strategy, steered
 from kda_spec.synthetic_weights import stress_weights, synthetic_weights
 from kda_spec.truth import sigmoid, softplus
@@ -118,6 +119,22 @@ def test_a_short_search_finds_each_seeded_defect(adapter, checks, tiny_judge_par
     assert finding is not None, f"{adapter.name}: nothing found in {exploration.cases} cases"
     assert checks is None or finding.check in checks or finding.check.startswith(tuple(checks))
     assert finding.verdict.checks[finding.check].ratio > HEADROOM
+
+
+def test_the_shrink_budget_lifts_hypothesis_own_cap_on_a_shrink() -> None:
+    caps: list[float] = []
+
+    def judge(case: SearchCase) -> CaseVerdict:
+        caps.append(engine.MAX_SHRINKING_SECONDS)
+        ratio = 10.0 if case.tokens >= 10 else 0.0
+        return CaseVerdict(case, {"layer": CheckJudgement("layer", ratio, ratio, ratio, 1, 1)}, {}, 0.0)
+
+    default = engine.MAX_SHRINKING_SECONDS
+    cases = case_strategy(("fp32",), ("a",), max_tokens=100, max_seqs=3)
+    finding = explore(judge, cases, budget_s=60, seed=0, shrink_budget_s=default + 900).finding
+    assert finding is not None and finding.case.seq_lens == (10,)
+    restored = engine.MAX_SHRINKING_SECONDS
+    assert set(caps) == {default + 900} and restored == default
 
 
 def test_the_command_finds_writes_and_replays_a_reproducer(tmp_path) -> None:
