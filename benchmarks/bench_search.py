@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from conformance.adapter import KERNEL_CHOICES
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
 from conformance.judging.tolerances import TolerancePolicy
 from conformance.runtime.compile_cache import enable_compile_cache
@@ -28,7 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=float, default=120.0)
     parser.add_argument("--warmup", type=float, default=60.0)
-    parser.add_argument("--kernel", default="auto", choices=("auto", "naive", "pallas"))
+    parser.add_argument("--kernel", default="auto", choices=KERNEL_CHOICES)
     args = parser.parse_args()
     prefer_fast_cpu_compile()
     enable_compile_cache()
