@@ -126,14 +126,16 @@ class Criterion:
         }
         if self.detail:
             record["detail"] = self.detail
+        if not self.applies:
+            record["not_applied"] = self.why_not_applied()
         if self.unless is not None:
             record["unless"] = self.unless.as_dict()
         return record
 
     @classmethod
     def from_dict(cls, record: Mapping[str, Any], label: str) -> Criterion:
-        """The criterion a report records (its derived fields — bound, applies, holds — recomputed, never
-        read); a ValueError names the field at fault."""
+        """The criterion a report records (its derived fields — bound, applies, holds, not_applied —
+        recomputed, never read); a ValueError names the field at fault."""
         if not isinstance(record, Mapping):
             raise ValueError(f"{label}: a criterion must be an object, found {record!r}")
         numbers = {name: _number(record, name, label) for name in _NUMBER_FIELDS}

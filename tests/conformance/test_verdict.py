@@ -33,6 +33,9 @@ def test_a_criterion_applies_from_its_tokens_and_not_where_its_exemption_holds()
         **{**CONTRACT.__dict__, "unless": Criterion("contract", "closer", 1e-4, 0.0, 1.0, 4e-4)}
     )
     assert not exempt.applies and exempt.holds and exempt.why_not_applied().startswith("exempt: closer")
+    assert (
+        few.as_dict()["not_applied"] == "not gated: 8 tokens < 32" and "not_applied" not in CONTRACT.as_dict()
+    )
 
 
 @pytest.mark.parametrize(
