@@ -174,7 +174,7 @@ class DumpSet:
         """The float32 weights by HF name, after checking checksum, names, dtypes and shapes (read once)."""
         if self._weights is None:
             self._weights = _read_only(self._read_weights())
-        return self._weights
+        return dict(self._weights)  # the caller's own dict of the kept (read-only) arrays
 
     def _read_weights(self) -> dict[str, np.ndarray]:
         relpath = self.weights_file

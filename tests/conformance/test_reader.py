@@ -163,3 +163,21 @@ def test_unreadable_npz_with_matching_checksum(tmp_path: Path) -> None:
     (root / fmt.MANIFEST_FILE).write_text(json.dumps(manifest))
     with pytest.raises(DumpError, match=r"cases/T1.npz: not a readable .npz file"):
         DumpSet(str(root)).case("T1")
+
+
+def test_each_file_is_read_and_checked_once_and_given_read_only(
+    synthetic_dumps: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`run` verifies every file, then its checks read them again: each file is hashed once."""
+    dumps = DumpSet(str(synthetic_dumps))
+    hashed = []
+    real_sha256 = fmt.sha256_bytes
+    monkeypatch.setattr(fmt, "sha256_bytes", lambda data: hashed.append(len(data)) or real_sha256(data))
+    assert dumps.verify() == []
+    files = len(hashed)
+    assert files == len(dumps.cases) + 1  # every case, and the weights
+    weights, case = dumps.weights(), dumps.case(next(iter(dumps.cases)))
+    assert len(hashed) == files  # nothing read again
+    assert not any(array.flags.writeable for array in [*weights.values(), *case.arrays.values()])
+    weights.clear()  # the caller's dict: the set's own is untouched
+    assert dumps.weights()
