@@ -13,7 +13,7 @@ from conformance.judging.measurement import (
     normalised_rmse,
 )
 from conformance.judging.tolerances import RelativeLimits, Tolerance
-from conformance.judging.verdict import Criterion, Verdict
+from conformance.judging.verdict import Criterion, unmet, worst_ratio
 
 # Who a check's difference comes from, judged against the float64 truth (docs/tolerance-policy.md).
 VERDICTS = ("impl", "reference", "both", "conditioning")
@@ -54,7 +54,7 @@ def relative_criteria(side: TruthError, other: TruthError, limits: RelativeLimit
 
 def excess(side: TruthError, other: TruthError, limits: RelativeLimits) -> list[str]:
     """Why `side` is further from the truth than `limits` allow against `other`; empty when it is not."""
-    return [c.text() for c in relative_criteria(side, other, limits) if not c.holds]
+    return unmet(relative_criteria(side, other, limits))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,12 +75,12 @@ class Attribution:
     @property
     def relative_failures(self) -> list[str]:
         """Why the implementation is further from the truth than the relative gate allows."""
-        return [c.text() for c in self.relative_criteria if not c.holds]
+        return unmet(self.relative_criteria)
 
     @property
     def relative_ratio(self) -> float:
         """The implementation's error as a share of what the relative gate allows (<= 1 holds)."""
-        return Verdict("relative", self.relative_criteria).ratio
+        return worst_ratio(self.relative_criteria)
 
     @property
     def verdict(self) -> str:

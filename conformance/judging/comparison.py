@@ -20,7 +20,7 @@ from conformance.judging.measurement import (
     measure,
 )
 from conformance.judging.tolerances import CONTRACT_MODE, Tolerance
-from conformance.judging.verdict import Criterion, Verdict, decide
+from conformance.judging.verdict import Criterion, Verdict, decide, worst_ratio
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Comparison(Measurement):
     @property
     def absolute_ratio(self) -> float:
         """The largest of the absolute gate's criteria as a share of its limit: <= 1 holds."""
-        return Verdict("absolute", self.absolute_criteria).ratio if self.usable else math.nan
+        return worst_ratio(self.absolute_criteria) if self.usable else math.nan
 
     @property
     def gate_ratio(self) -> float:

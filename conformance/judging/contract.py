@@ -13,7 +13,7 @@ from conformance.judging.measurement import (
     normalised_rmse,
 )
 from conformance.judging.tolerances import ContractLimits
-from conformance.judging.verdict import Criterion, Verdict
+from conformance.judging.verdict import Criterion, unmet, worst_ratio
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +72,7 @@ class ContractCheck:
             1.0,
             self.model_truth_nrmse,
         )
-        gating = {**self.gating.gating(), "unless": closer}
+        gating = {**self.gating.criterion_fields(), "unless": closer}
         gain = abs(self.impl.gain)
         return (
             Criterion("contract", "nRMSE vs the contract's model", self.impl.nrmse, self.max_nrmse, **gating),
@@ -98,12 +98,12 @@ class ContractCheck:
 
     @property
     def failures(self) -> list[str]:
-        return [c.text() for c in self.criteria if not c.holds]
+        return unmet(self.criteria)
 
     @property
     def ratio(self) -> float:
         """The larger criterion as a share of its limit (<= 1 holds); 0 where it is not gated or exempt."""
-        return Verdict("relative+contract", self.criteria).ratio
+        return worst_ratio(self.criteria)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -113,7 +113,7 @@ class ContractCheck:
             "reference": self.reference.as_dict(),
             "limits": self.limits.as_dict(),
             "fp32_stage": self.fp32_stage,
-            **self.gating.gating(),
+            **self.gating.criterion_fields(),
             "gated": self.gating.applies,
             "truth_nrmse": {"impl": self.impl_truth_nrmse, "model": self.model_truth_nrmse},
             "closer": self.closer,

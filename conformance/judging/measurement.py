@@ -29,7 +29,7 @@ class StatisticRows:
     def applies(self) -> bool:
         return self.tokens >= self.min_tokens
 
-    def gating(self) -> dict[str, int]:
+    def criterion_fields(self) -> dict[str, int]:
         """The criterion fields that carry the rule."""
         return {"tokens": self.tokens, "min_tokens": self.min_tokens}
 
@@ -116,7 +116,7 @@ class Measurement:
             over = "" if nrmse == self.nrmse else f" over the sequences of >= {self.gating.min_tokens} tokens"
             criteria.append(
                 Criterion(
-                    "absolute", "normalised RMSE", nrmse, tol.max_nrmse, **self.gating.gating(),
+                    "absolute", "normalised RMSE", nrmse, tol.max_nrmse, **self.gating.criterion_fields(),
                     detail=f"normalised RMSE {nrmse:.3g} > {tol.max_nrmse:g}{over}",
                 )
             )  # fmt: skip

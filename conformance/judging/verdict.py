@@ -206,15 +206,25 @@ class Verdict:
     @property
     def ratio(self) -> float:
         """The largest deciding criterion as a share of its bound: <= 1 holds."""
-        ratios = [criterion.ratio for criterion in self.deciding]
-        if any(math.isnan(ratio) for ratio in ratios):
-            return math.nan
-        return max(ratios, default=0.0)
+        return worst_ratio(self.deciding)
 
     def failures(self, gate: str | None = None) -> list[str]:
         """The deciding criteria that do not hold (those of `gate`, deciding or not, when given)."""
         chosen = self.deciding if gate is None else [c for c in self.criteria if c.gate == gate]
         return [criterion.failure() for criterion in chosen if not criterion.holds]
+
+
+def worst_ratio(criteria: Iterable[Criterion]) -> float:
+    """The largest of `criteria` as a share of its bound (<= 1: all hold); NaN if any is NaN, 0 for none."""
+    ratios = [criterion.ratio for criterion in criteria]
+    if any(math.isnan(ratio) for ratio in ratios):
+        return math.nan
+    return max(ratios, default=0.0)
+
+
+def unmet(criteria: Iterable[Criterion]) -> list[str]:
+    """What each of `criteria` that does not hold says (`Criterion.text`, without its gate's prefix)."""
+    return [criterion.text() for criterion in criteria if not criterion.holds]
 
 
 def decide(mode: str, criteria: Iterable[Criterion]) -> Verdict:
