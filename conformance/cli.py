@@ -210,13 +210,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         clear_report_dir(report_dir)  # first: the reports on disk are the last run's, or none
     except ValueError as err:
         raise UsageError(str(err)) from None
-    _open_verified(args.dumps)
+    dumps = _open_verified(args.dumps)
     _policy(args.tolerances)
     _, options = _adapter(args)
     suite_options = _suite_options(args, options)
     enable_compile_cache()
     try:
-        session = ConformanceSession(suite_options)
+        session = ConformanceSession(suite_options, dumps)
     except ValueError as err:  # --cases naming a case the set lacks
         raise UsageError(str(err)) from None
     try:

@@ -41,9 +41,10 @@ class ConformanceSession:
     None while it has not. Every report says both.
     """
 
-    def __init__(self, options: SuiteOptions):
+    def __init__(self, options: SuiteOptions, dumps: DumpSet | None = None):
+        """`dumps`: the set at `options.dumps` already opened (and verified: its files then read once)."""
         self.options = options
-        self.dumps = DumpSet(options.dumps)
+        self.dumps = DumpSet(options.dumps) if dumps is None else dumps
         self.policy = TolerancePolicy.load(options.tolerances)
         adapter_class = load_adapter_class(options.impl)
         adapter_class.parse_options(options.impl_options)  # a bad option stops the run before any check
