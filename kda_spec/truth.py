@@ -161,6 +161,7 @@ def layer_truth(
     config: KDAConfig,
     dtype: type[np.floating] = np.float64,
     rounded: Callable[[np.ndarray], np.ndarray] | None = None,
+    operand: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """The layer on one packed batch, every step in `dtype`: `out` [T, hidden], `recurrent_state`
     [N, H, D, D] and the dump's intermediates (`q_after_conv` ... `o_norm`), by their dump names.
@@ -168,6 +169,8 @@ def layer_truth(
     `weights` by HF name (kda_spec.weight_names), `hidden_states` [T, hidden], `cu_seqlens` [N+1],
     `initial_state` [N, H, D, D] or None (zeros); whatever their dtype, they are converted exactly.
     `rounded`: applied at the precision contract's bf16 rounding points (`_layer`); None rounds nowhere.
+    `operand`: applied to both operands of every projection, the product then exact (a matmul that
+    rounds its inputs: `operand_rounding`); None leaves them as they are.
     """
     w = {name: np.asarray(array, dtype) for name, array in weights.items()}
     spans = list(itertools.pairwise(np.asarray(cu_seqlens).tolist()))
@@ -177,7 +180,31 @@ def layer_truth(
     ) -> tuple[np.ndarray, np.ndarray]:
         return packed_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state)
 
-    return _layer(w, np.asarray(hidden_states, dtype), spans, 0, recurrence, config, rounded or _exact)
+    return _layer(
+        w,
+        np.asarray(hidden_states, dtype),
+        spans,
+        0,
+        recurrence,
+        config,
+        rounded or _exact,
+        operand or _exact,
+    )
+
+
+def mantissa_rounded(array: np.ndarray, mantissa_bits: int) -> np.ndarray:
+    """`array` rounded to nearest (ties to even) to `mantissa_bits` explicit mantissa bits with float32's
+    exponent range, via float32 (bf16: 7 bits, TF32: 10 bits), back in its own dtype: the operands a
+    reduced-precision matmul pass multiplies."""
+    if not 0 < mantissa_bits < 23:
+        raise ValueError(f"mantissa_bits must be in 1..22, got {mantissa_bits}")
+    bits = np.asarray(array, np.float32).view(np.uint32).astype(np.uint64)
+    drop = 23 - mantissa_bits
+    half, lowest_kept = np.uint64(1 << (drop - 1)), (bits >> np.uint64(drop)) & np.uint64(1)
+    kept = ((bits + half - np.uint64(1) + lowest_kept) >> np.uint64(drop)) << np.uint64(drop)
+    rounded = kept.astype(np.uint32).view(np.float32)
+    finite = np.isfinite(np.asarray(array, np.float32))
+    return np.where(finite, rounded, np.asarray(array, np.float32)).astype(np.asarray(array).dtype)
 
 
 def bf16_contract_rounding(array: np.ndarray) -> np.ndarray:
@@ -252,6 +279,7 @@ def _layer(
     recurrence: Recurrence,
     config: KDAConfig,
     rounded: Callable[[np.ndarray], np.ndarray] = _exact,
+    operand: Callable[[np.ndarray], np.ndarray] = _exact,
 ) -> dict[str, np.ndarray]:
     """The layer's math on the rows `x[skip:]` of `x` [T, hidden], `x[:skip]` being only the short conv's
     context; `spans` the sequences of `x`, each from a zero conv state; `recurrence(q, k, v, g, beta)`
@@ -261,7 +289,8 @@ def _layer(
     `rounded` is applied at each bf16 rounding point of the precision contract (docs/bf16-rounding.md):
     every projection's output, the conv after silu, the kernel output o, the gated norm's output and
     `out`; beta's sigmoid, the gate g, the l2 norm and the recurrence take the rounded values exactly.
-    The truth rounds nowhere (`_exact`); the contract's model rounds with `bf16_contract_rounding`."""
+    The truth rounds nowhere (`_exact`); the contract's model rounds with `bf16_contract_rounding`.
+    `operand` is applied to both operands of every projection (`layer_truth`)."""
     heads, dim = config.num_heads, config.head_dim
     tokens = x.shape[0] - skip
 
@@ -269,7 +298,7 @@ def _layer(
         return a.reshape(tokens, heads, dim)
 
     def projected(a: np.ndarray, name: str) -> np.ndarray:
-        return rounded(a @ w[f"{name}.weight"].T)
+        return rounded(operand(a) @ operand(w[f"{name}.weight"]).T)
 
     q, k, v = (
         per_head(rounded(short_conv(projected(x, f"{n}_proj"), w[f"{n}_conv1d.weight"], spans))[skip:])

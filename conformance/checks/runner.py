@@ -4,6 +4,7 @@ gate mode."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -13,6 +14,7 @@ from conformance.adapter import KDAAdapter
 from conformance.adapters.guard import CallWatchdog
 from conformance.checks.calls import ImplementationCalls, l2norm
 from conformance.checks.catalogue import KERNEL_CHECKS, CheckSkipped, CheckSpec, decode_run, truth_name
+from conformance.checks.reductions import reduction_of
 from conformance.checks.truth import (
     COMPUTED_LAYER_TRUTH_SOURCE,
     CONTRACT_SOURCE,
@@ -21,6 +23,7 @@ from conformance.checks.truth import (
     NoTruth,
     computed_contract_model,
     computed_layer_truth,
+    computed_matmul_model,
     layer_kernel_truth,
     not_computed,
     recurrence_fp64,
@@ -30,6 +33,7 @@ from conformance.dumps.reader import CaseData, DumpSet
 from conformance.judging.attribution import Attribution, attribute
 from conformance.judging.comparison import Comparison, judge
 from conformance.judging.contract import ContractCheck, contract_check
+from conformance.judging.matmul_diagnosis import MATMUL_MODELS, MatmulDiagnosis, diagnose
 from conformance.judging.measurement import StatisticRows, measure
 from conformance.judging.positions import (
     DECODE_POSITIONS,
@@ -38,7 +42,8 @@ from conformance.judging.positions import (
     judge_by_windows,
     position_profile,
 )
-from conformance.judging.tolerances import CONTRACT_MODE, TolerancePolicy
+from conformance.judging.reduction import reduction_limits
+from conformance.judging.tolerances import CONTRACT_MODE, RelativeLimits, TolerancePolicy
 from kda_spec import dump_format as fmt
 
 _OUT_AXES = ("token", "channel")
@@ -99,10 +104,14 @@ class CheckRunner(ImplementationCalls):
             truth_value, source = truth() if truth else self.truth(case, spec, positions)
         except NoTruth as missing:
             return judge(measured, mode, None, str(missing))
-        limits = self.policy.relative[spec.dtype]
+        limits = self.relative_limits(spec.check, spec.dtype, truth_value, axes)
         attribution = attribute(actual, expected, truth_value, source, tolerance, limits, measured.apart)
         if mode != CONTRACT_MODE:
-            return judge(measured, mode, attribution)
+            judged = judge(measured, mode, attribution)
+            if judged.passed or attribution.verdict != "impl" or spec.dtype != "fp32":
+                return judged
+            diagnosis = self.matmul_diagnosis(case, spec, actual, truth_value, positions)
+            return dataclasses.replace(judged, matmul_diagnosis=diagnosis)
         try:
             contract = self.contract(
                 case, spec, actual, expected, truth_value, attribution, positions, measured.gating
@@ -110,6 +119,45 @@ class CheckRunner(ImplementationCalls):
         except NoTruth as missing:
             return judge(measured, mode, attribution, no_contract=str(missing))
         return judge(measured, mode, attribution, contract=contract)
+
+    def relative_limits(
+        self, check: str, dtype: str, truth: np.ndarray, axes: tuple[str, ...]
+    ) -> RelativeLimits:
+        """The relative gate's limits of `check` in the `dtype` run, its floors raised to the rounding
+        budget of its widest fp32 reduction on this `truth` (whose axes are `axes`)."""
+        head_axis = axes.index("head") if "head" in axes else None
+        return reduction_limits(
+            self.policy.relative[dtype],
+            reduction_of(check, self.dumps.config),
+            truth,
+            self.policy.tolerance(check, dtype),
+            head_axis,
+        )
+
+    def matmul_diagnosis(
+        self, case: CaseData, spec: CheckSpec, actual: np.ndarray, truth: np.ndarray, positions: dict
+    ) -> MatmulDiagnosis | None:
+        """Which reduced-precision matmul a failing fp32 layer result matches, if any
+        (`conformance.judging.matmul_diagnosis`); None for a kernel check (its inputs are the dump's)."""
+        if spec.check in KERNEL_CHECKS:
+            return None
+        name = truth_name(spec.check)
+        models = {}
+        for model in MATMUL_MODELS:
+            try:
+                results = self._memoized(
+                    ("matmul-model", model.name),
+                    lambda bits=model.mantissa_bits: computed_matmul_model(
+                        case, self.weights(), self.dumps.config, bits
+                    ),
+                )
+            except NoTruth:
+                return None
+            if name in results:
+                models[model.name] = (
+                    results[name][positions["token"]] if "token" in positions else results[name]
+                )
+        return diagnose(actual, truth, models)
 
     def contract(
         self,
@@ -170,7 +218,7 @@ class CheckRunner(ImplementationCalls):
             expected,
             truth,
             tolerance,
-            self.policy.relative[dtype],
+            self.relative_limits(spec.check, dtype, truth, _OUT_AXES),
             case_id=case.info.case_id,
             dtype=dtype,
             check=spec.check,

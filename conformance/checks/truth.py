@@ -27,6 +27,7 @@ from kda_spec.truth import (
     l2_normalised,
     layer_output_truth,
     layer_truth,
+    mantissa_rounded,
     packed_delta_rule,
     run_hidden_states,
     run_weights,
@@ -79,6 +80,24 @@ def computed_contract_model(
     (`kda_spec.truth._layer`), on the dump's hidden states and float32 `weights` as the bf16 run sees
     them (`_computed_layer` says which results)."""
     return _computed_layer(case, "bf16", weights, config, bf16_contract_rounding)
+
+
+def computed_matmul_model(
+    case: CaseData, weights: Mapping[str, np.ndarray], config: KDAConfig, mantissa_bits: int
+) -> dict[str, np.ndarray]:
+    """The float64 layer on the fp32 run of `case` with both operands of every projection rounded to
+    `mantissa_bits` (a reduced-precision matmul pass: `conformance.judging.matmul_diagnosis`), by result
+    name; `NoTruth` for a case over `COMPUTE_MAX_TOKENS` tokens."""
+    if case.info.total_tokens > COMPUTE_MAX_TOKENS:
+        raise NoTruth(f"no reduced-precision model of a case of over {COMPUTE_MAX_TOKENS} tokens")
+    return layer_truth(
+        run_weights(weights, "fp32"),
+        run_hidden_states(case.hidden_states, "fp32"),
+        case.cu_seqlens,
+        case.initial_state,
+        config,
+        operand=lambda array: mantissa_rounded(array, mantissa_bits),
+    )
 
 
 def _computed_layer(

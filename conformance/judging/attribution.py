@@ -44,11 +44,31 @@ def error_vs_truth(x: np.ndarray, truth: np.ndarray, tolerance: Tolerance) -> Tr
 
 def relative_criteria(side: TruthError, other: TruthError, limits: RelativeLimits) -> tuple[Criterion, ...]:
     """The relative gate on `side`: its error against the truth within `factor` × `other`'s plus a floor,
-    in margin and in nRMSE."""
-    f = limits.factor
+    in margin and in nRMSE; a floor raised to a reduction's rounding budget says so (`floor_source`)."""
+    f, reduction = limits.factor, limits.reduction
+    margin_source = nrmse_source = ""
+    if reduction is not None:
+        margin_source = reduction.source("margin") if reduction.margin_floor >= limits.margin_floor else ""
+        nrmse_source = reduction.source("nRMSE") if reduction.nrmse_floor >= limits.nrmse_floor else ""
     return (
-        Criterion("relative", "margin vs truth", side.margin, limits.margin_floor, f, other.margin),
-        Criterion("relative", "nRMSE vs truth", side.nrmse, limits.nrmse_floor, f, other.nrmse),
+        Criterion(
+            "relative",
+            "margin vs truth",
+            side.margin,
+            limits.margin_floor,
+            f,
+            other.margin,
+            floor_source=margin_source,
+        ),
+        Criterion(
+            "relative",
+            "nRMSE vs truth",
+            side.nrmse,
+            limits.nrmse_floor,
+            f,
+            other.nrmse,
+            floor_source=nrmse_source,
+        ),
     )
 
 

@@ -15,6 +15,7 @@ from conformance.judging.attribution import (
     Attribution,
 )
 from conformance.judging.contract import ContractCheck
+from conformance.judging.matmul_diagnosis import MatmulDiagnosis
 from conformance.judging.measurement import (
     Measurement,
     measure,
@@ -39,6 +40,7 @@ class Comparison(Measurement):
     contract: ContractCheck | None = None
     no_contract: str | None = "not looked up"
     decision: Verdict = dataclasses.field(default_factory=lambda: Verdict("absolute", ()))
+    matmul_diagnosis: MatmulDiagnosis | None = None  # a failing fp32 result that matches a reduced matmul
 
     @property
     def passed(self) -> bool:
@@ -90,6 +92,8 @@ class Comparison(Measurement):
                 f" [vs truth: impl margin {a.impl.margin:.3g}, reference {a.reference.margin:.3g}; "
                 f"verdict {a.verdict}]"
             )
+        if self.matmul_diagnosis is not None:
+            text += f"; likely cause: {self.matmul_diagnosis.text()}"
         return text
 
     def as_dict(self) -> dict[str, Any]:
@@ -125,6 +129,7 @@ class Comparison(Measurement):
                 if self.contract is not None
                 else {"available": False, "reason": self.no_contract}
             ),
+            "matmul_diagnosis": None if self.matmul_diagnosis is None else self.matmul_diagnosis.as_dict(),
         }
 
 

@@ -7,15 +7,21 @@ import fnmatch
 import math
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conformance.judging.verdict import MODE_GATES
 from conformance.runtime.run_platform import check_required_platform
 from kda_spec.dump_format import DTYPES
 
+if TYPE_CHECKING:
+    from conformance.judging.reduction import ReductionFloors
+
 DEFAULT_POLICY_FILE = Path(__file__).with_name("tolerances.toml")
 _LIMIT_FIELDS = ("atol", "rtol", "max_nrmse")
 RELATIVE_FIELDS = ("factor", "margin_floor", "nrmse_floor")
+# The rounding budget of the widest fp32 reduction behind a stage (docs/tolerance-policy.md): optional, 0
+# (none) when left out, as in bf16, whose floors are set by its own roundings.
+REDUCTION_FIELDS = ("nrmse_lambda", "margin_lambda")
 CONTRACT_FIELDS = ("max_nrmse", "max_nrmse_fp32_stage", "max_gain", "closer_factor")
 # Which gate decides a check: the absolute limits, the relative one (against the float64 truth), both,
 # or the relative one and the bf16 precision contract (against the float64 model of its roundings).
@@ -52,14 +58,19 @@ class RelativeLimits:
     """The relative gate: the implementation's error against the float64 truth may be at most
     `factor` × the reference's own error against it, plus a floor: in margin (the check's
     `atol + rtol·|truth|` shape) `impl ≤ factor·ref + margin_floor`, in nRMSE
-    `impl ≤ factor·ref + nrmse_floor`."""
+    `impl ≤ factor·ref + nrmse_floor`. The lambdas raise the floors to the rounding budget of the
+    stage's widest fp32 reduction (`conformance.judging.reduction`); 0 leaves them as they are."""
 
     factor: float
     margin_floor: float
     nrmse_floor: float
+    nrmse_lambda: float = 0.0  # the nRMSE floor is at least nrmse_lambda · sqrt(K) · 2^-24
+    margin_lambda: float = 0.0  # the margin floor at least margin_lambda · sqrt(K) · 2^-24 in scale units
+    # The floors' reduction where they were raised to it (`reduction.reduction_limits`), else None.
+    reduction: ReductionFloors | None = None
 
     def __post_init__(self) -> None:
-        for name in RELATIVE_FIELDS:
+        for name in RELATIVE_FIELDS + REDUCTION_FIELDS:
             if not (_is_finite_number(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)!r}")
         if self.factor < 1:
@@ -67,8 +78,11 @@ class RelativeLimits:
         if self.margin_floor == 0 or self.nrmse_floor == 0:
             raise ValueError("margin_floor and nrmse_floor must be > 0 (a reference may equal the truth)")
 
-    def as_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
+    def as_dict(self) -> dict[str, Any]:
+        record = dataclasses.asdict(self)
+        if self.reduction is None:
+            del record["reduction"]
+        return record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +291,7 @@ def _relative(data: dict[str, Any], dtype: str) -> RelativeLimits:
     entry = block.get(dtype) if isinstance(block, dict) else None
     if not isinstance(entry, dict):
         raise KeyError(f"missing table [relative.{dtype}]")
-    return _limits_table(entry, f"[relative.{dtype}]", RELATIVE_FIELDS, RelativeLimits)
+    return _limits_table(entry, f"[relative.{dtype}]", RELATIVE_FIELDS, RelativeLimits, REDUCTION_FIELDS)
 
 
 def _contract(data: dict[str, Any], used: bool) -> ContractLimits | None:
@@ -295,9 +309,16 @@ def _contract(data: dict[str, Any], used: bool) -> ContractLimits | None:
     return _limits_table(entry, "[contract.bf16]", CONTRACT_FIELDS, ContractLimits)
 
 
-def _limits_table(entry: dict[str, Any], label: str, fields: tuple[str, ...], limits_class: type) -> Any:
-    """`limits_class(**entry)` for a table that must have exactly `fields`; a ValueError names `label`."""
-    missing, unknown = sorted(set(fields) - set(entry)), sorted(set(entry) - set(fields))
+def _limits_table(
+    entry: dict[str, Any],
+    label: str,
+    fields: tuple[str, ...],
+    limits_class: type,
+    optional: tuple[str, ...] = (),
+) -> Any:
+    """`limits_class(**entry)` for a table that must have exactly `fields` (and may have `optional`); a
+    ValueError names `label`."""
+    missing, unknown = sorted(set(fields) - set(entry)), sorted(set(entry) - set(fields) - set(optional))
     if missing or unknown:
         raise ValueError(f"{label}: needs {list(fields)}; missing {missing}, unknown {unknown}")
     try:

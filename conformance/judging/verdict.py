@@ -4,7 +4,8 @@ A **criterion** is one statistic and its bound: `value <= factor · reference + 
 (the absolute gate: factor 0), or a multiple of the reference's own number plus a floor (the relative
 gate: the implementation's error against the float64 truth against the reference's). It applies from
 `min_tokens` tokens of the result on, and not where its `unless` criterion holds (the precision
-contract's exemption of a result closer to the truth than the contract's model).
+contract's exemption of a result closer to the truth than the contract's model); `floor_source` says
+where a floor comes from when it is not the policy's number alone (a reduction's rounding budget).
 
 A check records all its criteria, grouped by gate (`absolute`, `relative`, `contract`, and `finite`:
 no NaN or Inf, which decides every check); its gate mode says which gates decide (`MODE_GATES`), and
@@ -55,6 +56,7 @@ class Criterion:
     min_tokens: int = 0
     unless: Criterion | None = None
     detail: str = ""
+    floor_source: str = ""  # where the floor comes from, where not the policy's number alone
 
     def __post_init__(self) -> None:
         if self.gate not in GATES:
@@ -126,6 +128,8 @@ class Criterion:
         }
         if self.detail:
             record["detail"] = self.detail
+        if self.floor_source:
+            record["floor_source"] = self.floor_source
         if not self.applies:
             record["not_applied"] = self.why_not_applied()
         if self.unless is not None:
@@ -140,7 +144,7 @@ class Criterion:
             raise ValueError(f"{label}: a criterion must be an object, found {record!r}")
         numbers = {name: _number(record, name, label) for name in _NUMBER_FIELDS}
         counts = {name: _count(record, name, label) for name in ("tokens", "min_tokens")}
-        texts = {name: record.get(name, "") for name in ("gate", "statistic", "detail")}
+        texts = {name: record.get(name, "") for name in ("gate", "statistic", "detail", "floor_source")}
         for name, text in texts.items():
             if not isinstance(text, str):
                 raise ValueError(f"{label}: criterion {name!r} must be a string, found {text!r}")

@@ -126,6 +126,21 @@ def _problem_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def diagnosis_lines(report: dict[str, Any]) -> list[str]:
+    """One line per reduced-precision matmul that failing fp32 checks match
+    (`conformance.judging.matmul_diagnosis`): how many, what it is and the fix."""
+    found: dict[str, tuple[dict[str, Any], list[str]]] = {}
+    for check in report["checks"]:
+        diagnosis = (check.get("metrics") or {}).get("matmul_diagnosis")
+        if diagnosis:
+            found.setdefault(diagnosis["model"], (diagnosis, []))[1].append(check["id"])
+    return [
+        f"LIKELY CAUSE of {_count(len(ids), 'fp32 check')}: the errors match {diagnosis['means']}: "
+        f"{diagnosis['fix']}"
+        for diagnosis, ids in found.values()
+    ]
+
+
 def terminal_lines(report: dict[str, Any]) -> list[str]:
     """The verdict line, where the run ran and how its kernels ran, the faults, the table, then the checks
     that did not hold; the interpret warning once more last."""
@@ -133,6 +148,7 @@ def terminal_lines(report: dict[str, Any]) -> list[str]:
     lines = [
         headline(report),
         *platform_lines(report),
+        *diagnosis_lines(report),
         *_problem_lines(report),
         *format_text_table(header, body),
     ]
@@ -164,6 +180,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"**{word}**" + headline(report).removeprefix(word) + ".",
         "",
         *platform_markdown(report),
+        *[f"- **{line}**" for line in diagnosis_lines(report)],
         "",
         ", ".join(f"{counts[s]} {s}" for s in STATUSES) + f", {counts['close_to_limit']} close to the limit.",
         "",

@@ -8,7 +8,8 @@ adapter, the same replays of decode and chunked prefill, the same guard, as `con
 the reproducer. The adapter is built once per weight set and dtype and reused for every case.
 
 The criterion is the relative gate of docs/tolerance-policy.md with the plain fp32 pipeline as the
-reference, and its limits (`[relative.<dtype>]` of the policy file, and the check's atol/rtol):
+reference, and its limits (`[relative.<dtype>]` of the policy file, its fp32 floors raised to the
+rounding budget of the check's widest reduction as the suite raises them, and the check's atol/rtol):
 
     ratio = max(impl_margin / (factor · base_margin + margin_floor),
                 impl_nrmse / (factor · base_nrmse + nrmse_floor))
@@ -47,7 +48,7 @@ from conformance.checks.runner import CheckRunner
 from conformance.checks.truth import NoTruth
 from conformance.dumps.reader import DumpSet
 from conformance.judging.attribution import TruthError, error_vs_truth, relative_criteria
-from conformance.judging.tolerances import TolerancePolicy
+from conformance.judging.tolerances import RelativeLimits, TolerancePolicy
 from conformance.judging.verdict import decide
 from conformance.search.dumpcase import CASE_ID, case_arrays, plain_pipeline, write_case_set
 from conformance.search.space import SearchCase, case_inputs
@@ -120,10 +121,11 @@ def judgement(
     truth: np.ndarray,
     policy: TolerancePolicy,
     dtype: str,
+    limits: RelativeLimits,
 ) -> CheckJudgement:
     """`actual` (the implementation's) and `bases` (plain fp32 pipelines') results of `check` against
-    `truth`, all of one shape, under the policy's relative limits (module docstring)."""
-    tolerance, limits = policy.tolerance(check, dtype), policy.relative[dtype]
+    `truth`, all of one shape, under the check's relative `limits` (module docstring)."""
+    tolerance = policy.tolerance(check, dtype)
     impl = error_vs_truth(actual, truth, tolerance)
     errors = [error_vs_truth(base, truth, tolerance) for base in bases]
     base = TruthError(
@@ -205,7 +207,7 @@ class Judge:
             for check in CHECKS:
                 spec = CheckSpec(CASE_ID, case.dtype, check)
                 try:
-                    actual, base, _, positions = runner.pair(data, spec)
+                    actual, base, axes, positions = runner.pair(data, spec)
                     truth, _ = runner.truth(data, spec, positions)
                 except (CheckSkipped, NoTruth) as why:
                     skipped[check] = str(why)
@@ -218,7 +220,10 @@ class Judge:
                 if perturbed is not None and check not in KERNEL_CHECKS:
                     other = perturbed[truth_name(check)]
                     bases.append(other[positions["token"]] if "token" in positions else other)
-                checks[check] = judgement(check, np.asarray(actual), bases, truth, self.policy, case.dtype)
+                limits = runner.relative_limits(check, case.dtype, truth, axes)
+                checks[check] = judgement(
+                    check, np.asarray(actual), bases, truth, self.policy, case.dtype, limits
+                )
         finally:
             fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
         return CaseVerdict(case, checks, skipped, time.perf_counter() - started)

@@ -268,6 +268,12 @@ def table_lines(results: list[StageResult]) -> list[str]:
                 f"({100 * along:.1f}% of the squared error lies along it)"
             )
     lines.append(_leaving_line(results))
+    diagnosed = [row for row in results if row.comparison is not None and row.comparison.matmul_diagnosis]
+    if diagnosed:
+        row = diagnosed[0]
+        lines.append(
+            f"likely cause, from {row.stage} ({row.result}) on: {row.comparison.matmul_diagnosis.text()}"
+        )
     departing = first_leaving_contract(results)
     if departing is not None:
         lines.append(

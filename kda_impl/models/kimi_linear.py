@@ -106,6 +106,9 @@ class KimiDeltaAttention(nnx.Module):
     Parameters are created unplaced; `kda_impl.weights` loads them onto the mesh (`PARAM_SPECS`).
     """
 
+    #: Every matmul of the layer (the projections and o_proj), called with precision=HIGHEST.
+    dot_general: Callable[..., jax.Array] = staticmethod(jax.lax.dot_general)
+
     def __init__(
         self,
         config: KDAConfig,
@@ -136,7 +139,14 @@ class KimiDeltaAttention(nnx.Module):
 
         def linear(n_in: int, n_out: int) -> nnx.Linear:
             return nnx.Linear(
-                n_in, n_out, use_bias=False, dtype=dtype, param_dtype=dtype, precision=HIGHEST, rngs=rngs
+                n_in,
+                n_out,
+                use_bias=False,
+                dtype=dtype,
+                param_dtype=dtype,
+                precision=HIGHEST,
+                dot_general=self.dot_general,
+                rngs=rngs,
             )
 
         self.q_proj, self.k_proj, self.v_proj = (
@@ -233,9 +243,10 @@ class KimiDeltaAttention(nnx.Module):
         o_norm = self._rounded(self.o_norm(o, g_out))
         # Row-parallel o_proj: this rank's heads times their rows of the kernel, summed over the ranks
         # in fp32 and rounded once.
-        partial = jnp.dot(
+        partial = self.dot_general(
             o_norm.reshape(tokens, heads * dim),
             self.o_proj.kernel[...],
+            (((1,), (0,)), ((), ())),
             precision=HIGHEST,
             preferred_element_type=jnp.float32,
         )
