@@ -176,20 +176,25 @@ class CheckRunner(ImplementationCalls):
         check, a result the model lacks)."""
         model = self.contract_model(case, spec, positions)
         limits, fp32_stage = self.policy.contract, truth_name(spec.check) in FP32_STAGES
-        impl_error = attribution.impl.nrmse
-        return contract_check(
-            actual, expected, model, truth, impl_error, CONTRACT_SOURCE, limits, fp32_stage, gating
-        )
+        args = (actual, expected, model, truth, attribution.impl.nrmse, CONTRACT_SOURCE, limits, fp32_stage)
+        check = contract_check(*args, gating)
+        if check.fixed_limits_hold:
+            return check
+        return contract_check(*args, gating, self.contract_model(case, spec, positions, spread=True))
 
-    def contract_model(self, case: CaseData, spec: CheckSpec, positions: dict) -> np.ndarray:
-        """The bf16 precision contract's float64 model of the check's result (its rows at `positions`);
-        `NoTruth` when there is none (a kernel check, a result the model of a long case lacks)."""
+    def contract_model(
+        self, case: CaseData, spec: CheckSpec, positions: dict, spread: bool = False
+    ) -> np.ndarray:
+        """The bf16 precision contract's float64 model of the check's result (its rows at `positions`), or
+        with `spread` the model with its rounded values moved by one fp32 ulp first
+        (`computed_contract_model`); `NoTruth` when there is none (a kernel check, a result the model of a
+        long case lacks)."""
         if spec.check in KERNEL_CHECKS:
             raise NoTruth("the precision contract has no rounding point inside the kernels")
         name = truth_name(spec.check)
         models = self._memoized(
-            ("contract-model", spec.dtype),
-            lambda: computed_contract_model(case, self.weights(), self.dumps.config),
+            ("contract-model", spec.dtype, spread),
+            lambda: computed_contract_model(case, self.weights(), self.dumps.config, spread),
         )
         if name not in models:
             raise not_computed(case, name, "the precision contract's model")

@@ -72,14 +72,30 @@ def computed_layer_truth(
     return _computed_layer(case, dtype, weights, config, None)
 
 
+# The model's spread: every value the contract's model rounds is first moved by this much relatively, up
+# or down at random (a fixed stream): the one-ulp differences an fp32 pipeline's own accumulation order
+# makes before it rounds to bf16.
+SPREAD_RELATIVE_MOVE = 2.0**-23
+SPREAD_SEED = 20261202
+
+
 def computed_contract_model(
-    case: CaseData, weights: Mapping[str, np.ndarray], config: KDAConfig
+    case: CaseData, weights: Mapping[str, np.ndarray], config: KDAConfig, spread: bool = False
 ) -> dict[str, np.ndarray]:
     """The bf16 precision contract's float64 model of the layer results of the bf16 run of `case`, by
     result name: the layer in float64 rounding to bf16 exactly at the contract's points
     (`kda_spec.truth._layer`), on the dump's hidden states and float32 `weights` as the bf16 run sees
-    them (`_computed_layer` says which results)."""
-    return _computed_layer(case, "bf16", weights, config, bf16_contract_rounding)
+    them (`_computed_layer` says which results). With `spread`, each value is moved by
+    `SPREAD_RELATIVE_MOVE` before it is rounded: the model's spread (`ContractLimits`)."""
+    if not spread:
+        return _computed_layer(case, "bf16", weights, config, bf16_contract_rounding)
+    signs = np.random.default_rng(SPREAD_SEED)
+
+    def moved_rounding(array: np.ndarray) -> np.ndarray:
+        moves = signs.choice(np.array([-1.0, 1.0]), array.shape) * SPREAD_RELATIVE_MOVE
+        return bf16_contract_rounding(array * (1 + moves).astype(array.dtype))
+
+    return _computed_layer(case, "bf16", weights, config, moved_rounding)
 
 
 def computed_matmul_model(

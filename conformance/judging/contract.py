@@ -57,6 +57,9 @@ class ContractCheck:
     gating: StatisticRows  # the minimum-tokens rule on the result
     impl_truth_nrmse: float  # the implementation's nRMSE against the float64 truth
     model_truth_nrmse: float  # the model's own: what the contract's roundings cost
+    # The model with its rounded values moved by one fp32 ulp first, against the model: how far one-ulp
+    # flips carry in this case (`ContractLimits`); None where it was not needed (the fixed limits hold).
+    spread: ContractError | None = None
 
     @property
     def criteria(self) -> tuple[Criterion, ...]:
@@ -73,14 +76,32 @@ class ContractCheck:
             self.model_truth_nrmse,
         )
         gating = {**self.gating.criterion_fields(), "unless": closer}
+        if self.spread is not None:
+            spread = {
+                "factor": limits.spread_factor,
+                "floor_source": "the contract's limit + its model's spread",
+            }
+            nrmse_spread, gain_spread = self.spread.nrmse, abs(self.spread.gain)
+        else:
+            spread, nrmse_spread, gain_spread = {}, 0.0, 0.0
         gain = abs(self.impl.gain)
+        gain_bound = limits.max_gain + limits.spread_factor * gain_spread if spread else limits.max_gain
         return (
-            Criterion("contract", "nRMSE vs the contract's model", self.impl.nrmse, self.max_nrmse, **gating),
             Criterion(
-                "contract", "|gain| vs the contract's model", gain, limits.max_gain, **gating,
-                detail=f"gain vs the contract's model {self.impl.gain:+.3g}, |gain| > {limits.max_gain:g}",
+                "contract", "nRMSE vs the contract's model", self.impl.nrmse, self.max_nrmse,
+                reference=nrmse_spread, **spread, **gating,
+            ),
+            Criterion(
+                "contract", "|gain| vs the contract's model", gain, limits.max_gain,
+                reference=gain_spread, **spread, **gating,
+                detail=f"gain vs the contract's model {self.impl.gain:+.3g}, |gain| > {gain_bound:.3g}",
             ),
         )  # fmt: skip
+
+    @property
+    def fixed_limits_hold(self) -> bool:
+        """The implementation holds the contract's fixed limits (its model's spread is not needed)."""
+        return not unmet(dataclasses.replace(self, spread=None).criteria)
 
     @property
     def closer(self) -> bool:
@@ -117,6 +138,7 @@ class ContractCheck:
             "gated": self.gating.applies,
             "truth_nrmse": {"impl": self.impl_truth_nrmse, "model": self.model_truth_nrmse},
             "closer": self.closer,
+            "spread": None if self.spread is None else self.spread.as_dict(),
             "max_nrmse": self.max_nrmse,
             "ratio": self.ratio,
             "failures": self.failures,
@@ -133,12 +155,17 @@ def contract_check(
     limits: ContractLimits,
     fp32_stage: bool,
     gating: StatisticRows,
+    spread_model: np.ndarray | None = None,
 ) -> ContractCheck:
     """Both sides of a check against the contract's float64 `model` (where it comes from: `source`), over
     the rows `gating` selects (all of them where it selects none: reported, not gated); the model against
     the float64 `truth`, beside the implementation's nRMSE against it (`TruthError.nrmse` of the check's
-    attribution)."""
+    attribution); `spread_model` (the model with its rounded values moved by one ulp first) against the
+    model, where given."""
     rows = gating.rows if gating.rows.any() else slice(None)
+    spread = None
+    if spread_model is not None:
+        spread = error_vs_contract(np.asarray(spread_model)[rows], np.asarray(model)[rows])
     return ContractCheck(
         source=source,
         impl=error_vs_contract(np.asarray(actual)[rows], np.asarray(model)[rows]),
@@ -148,4 +175,5 @@ def contract_check(
         gating=gating,
         impl_truth_nrmse=impl_truth_nrmse,
         model_truth_nrmse=error_vs_contract(model, truth).nrmse,
+        spread=spread,
     )

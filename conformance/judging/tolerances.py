@@ -22,7 +22,7 @@ RELATIVE_FIELDS = ("factor", "margin_floor", "nrmse_floor")
 # The rounding budget of the widest fp32 reduction behind a stage (docs/tolerance-policy.md): optional, 0
 # (none) when left out, as in bf16, whose floors are set by its own roundings.
 REDUCTION_FIELDS = ("nrmse_lambda", "margin_lambda")
-CONTRACT_FIELDS = ("max_nrmse", "max_nrmse_fp32_stage", "max_gain", "closer_factor")
+CONTRACT_FIELDS = ("max_nrmse", "max_nrmse_fp32_stage", "max_gain", "closer_factor", "spread_factor")
 # Which gate decides a check: the absolute limits, the relative one (against the float64 truth), both,
 # or the relative one and the bf16 precision contract (against the float64 model of its roundings).
 GATE_MODES = tuple(MODE_GATES)
@@ -94,12 +94,15 @@ class ContractLimits:
     `<x - m, m> / <m, m>`) at most `max_gain` in size; both are whole-output statistics, under the
     policy's `min_tokens` rule (`measurement.statistic_rows`). A result
     `closer_factor` times closer to the float64 truth (nRMSE) than the model itself is exempt: it rounds
-    less than the contract, not worse."""
+    less than the contract, not worse. Both limits grow by `spread_factor` × the model's own spread: how far
+    the model moves when each value it rounds is moved by one fp32 ulp first (`checks.truth`), which is
+    how far a faithful implementation's one-ulp flips carry where the layer amplifies them."""
 
     max_nrmse: float
     max_nrmse_fp32_stage: float
     max_gain: float
     closer_factor: float
+    spread_factor: float
 
     def __post_init__(self) -> None:
         for name in CONTRACT_FIELDS:
