@@ -72,11 +72,19 @@ def computed_layer_truth(
     return _computed_layer(case, dtype, weights, config, None)
 
 
-# The model's spread: every value the contract's model rounds is first moved by this much relatively, up
-# or down at random (a fixed stream): the one-ulp differences an fp32 pipeline's own accumulation order
-# makes before it rounds to bf16.
+# The model's spread: every value the contract's model rounds that lies within this relative distance of
+# a bf16 rounding boundary is rounded to the other side: the one-ulp flips an fp32 pipeline's own
+# accumulation order can make before it rounds to bf16, all at once.
 SPREAD_RELATIVE_MOVE = 2.0**-23
-SPREAD_SEED = 20261202
+
+
+def flipped_contract_rounding(array: np.ndarray) -> np.ndarray:
+    """`array` rounded to bf16 as `bf16_contract_rounding` does, except that a value within
+    `SPREAD_RELATIVE_MOVE` of a rounding boundary takes the bf16 neighbour on the boundary's other side."""
+    nearest = bf16_contract_rounding(array)
+    up = bf16_contract_rounding(array * (1 + SPREAD_RELATIVE_MOVE))
+    down = bf16_contract_rounding(array * (1 - SPREAD_RELATIVE_MOVE))
+    return np.where(up != nearest, up, down)
 
 
 def computed_contract_model(
@@ -85,17 +93,10 @@ def computed_contract_model(
     """The bf16 precision contract's float64 model of the layer results of the bf16 run of `case`, by
     result name: the layer in float64 rounding to bf16 exactly at the contract's points
     (`kda_spec.truth._layer`), on the dump's hidden states and float32 `weights` as the bf16 run sees
-    them (`_computed_layer` says which results). With `spread`, each value is moved by
-    `SPREAD_RELATIVE_MOVE` before it is rounded: the model's spread (`ContractLimits`)."""
-    if not spread:
-        return _computed_layer(case, "bf16", weights, config, bf16_contract_rounding)
-    signs = np.random.default_rng(SPREAD_SEED)
-
-    def moved_rounding(array: np.ndarray) -> np.ndarray:
-        moves = signs.choice(np.array([-1.0, 1.0]), array.shape) * SPREAD_RELATIVE_MOVE
-        return bf16_contract_rounding(array * (1 + moves).astype(array.dtype))
-
-    return _computed_layer(case, "bf16", weights, config, moved_rounding)
+    them (`_computed_layer` says which results). With `spread`, every near-tie rounds the other way
+    (`flipped_contract_rounding`): the model whose distance to the contract's is its spread."""
+    rounding = flipped_contract_rounding if spread else bf16_contract_rounding
+    return _computed_layer(case, "bf16", weights, config, rounding)
 
 
 def computed_matmul_model(

@@ -94,9 +94,10 @@ class ContractLimits:
     `<x - m, m> / <m, m>`) at most `max_gain` in size; both are whole-output statistics, under the
     policy's `min_tokens` rule (`measurement.statistic_rows`). A result
     `closer_factor` times closer to the float64 truth (nRMSE) than the model itself is exempt: it rounds
-    less than the contract, not worse. Both limits grow by `spread_factor` × the model's own spread: how far
-    the model moves when each value it rounds is moved by one fp32 ulp first (`checks.truth`), which is
-    how far a faithful implementation's one-ulp flips carry where the layer amplifies them."""
+    less than the contract, not worse. Each limit is at least `spread_factor` × the model's own spread: how
+    far the model moves when every value it rounds within an fp32 ulp of a bf16 tie rounds the other way
+    (`checks.truth.flipped_contract_rounding`), which is how far a faithful implementation's one-ulp flips
+    carry where the layer amplifies them."""
 
     max_nrmse: float
     max_nrmse_fp32_stage: float

@@ -36,7 +36,9 @@ from tests.conformance.report_files import criterion, report_of
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 BF16, RFC = Tolerance(atol=1e-2, rtol=1e-2), Tolerance(atol=1e-3, rtol=1e-3)
 RELATIVE = RelativeLimits(factor=2.0, margin_floor=0.5, nrmse_floor=1e-4)
-LIMITS = ContractLimits(max_nrmse=2e-3, max_nrmse_fp32_stage=5e-4, max_gain=1e-4, closer_factor=2.0)
+LIMITS = ContractLimits(
+    max_nrmse=2e-3, max_nrmse_fp32_stage=5e-4, max_gain=1e-4, closer_factor=2.0, spread_factor=2.0
+)
 MIN_TOKENS = 32
 STATE_AXES = ("seq", "head", "key", "value")
 MODEL = np.random.default_rng(0).normal(size=(64, 48))
@@ -204,8 +206,8 @@ def test_the_default_policy_holds_the_layer_results_of_bf16_to_the_contract() ->
 def test_a_policy_without_the_contract_mode_needs_no_contract_table(tmp_path: Path) -> None:
     """A policy file written before the contract still loads; one whose rules use it needs the table."""
     text = DEFAULT_POLICY_FILE.read_text()
-    table = text[text.index("[contract.bf16]") : text.index("closer_factor")]
-    without = text.replace(table, "").replace("closer_factor = 2.0", "", 1)
+    table = text[text.index("[contract.bf16]") : text.index("spread_factor = 2.0")]
+    without = text.replace(table, "").replace("spread_factor = 2.0", "", 1)
     path = tmp_path / "old.toml"
     path.write_text(without.replace('mode = "relative+contract"', 'mode = "relative"'))
     policy = TolerancePolicy.load(path)
