@@ -67,7 +67,8 @@ def main() -> None:
     ]
     print("\n".join(format_text_table(["check", "K", *COLUMNS], body)))
     print(
-        "units: sqrt(K)·2^-24 (nRMSE against the truth), and that times the head's RMS of the truth (worst element)"
+        "units: sqrt(K)·2^-24 (nRMSE against the truth), "
+        "and that times the head's RMS of the truth (worst element)"
     )
 
 
