@@ -126,13 +126,22 @@ def _problem_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def reference_precision_warning(report: dict[str, Any]) -> str | None:
+    """The warning about a dump set whose fp32 reference ran with TF32 or unrecorded precision, or None
+    (reports made before it record none)."""
+    recorded = report.get("dumps", {}).get("reference_precision")
+    return recorded.get("warning") if isinstance(recorded, dict) else None
+
+
 def terminal_lines(report: dict[str, Any]) -> list[str]:
-    """The verdict line, where the run ran and how its kernels ran, the faults, the table, then the checks
-    that did not hold; the interpret warning once more last."""
+    """The verdict line, where the run ran and how its kernels ran, a warning about a TF32 reference, the
+    faults, the table, then the checks that did not hold; the interpret warning once more last."""
     header, body = summary_rows(report)
+    reference_warning = reference_precision_warning(report)
     lines = [
         headline(report),
         *platform_lines(report),
+        *([] if reference_warning is None else [reference_warning]),
         *_problem_lines(report),
         *format_text_table(header, body),
     ]
@@ -158,12 +167,14 @@ def markdown(report: dict[str, Any]) -> str:
     manifest = report["dumps"]["manifest"]
     reference = manifest.get("reference", {})
     word = verdict_word(report)
+    reference_warning = reference_precision_warning(report)
     lines = [
         "# KDA conformance report",
         "",
         f"**{word}**" + headline(report).removeprefix(word) + ".",
         "",
         *platform_markdown(report),
+        *([] if reference_warning is None else ["", f"**{reference_warning}**"]),
         "",
         ", ".join(f"{counts[s]} {s}" for s in STATUSES) + f", {counts['close_to_limit']} close to the limit.",
         "",
