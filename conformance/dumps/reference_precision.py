@@ -14,12 +14,14 @@ absolute limits fail say so (`failure_note`).
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from kda_spec import dump_format as fmt
 
 IEEE, TF32, UNKNOWN = "ieee", "tf32", "unknown"
 _FIRST_TF32_MAJOR = 8  # sm80 (A100) and later
+_CAPABILITY = re.compile(r"[0-9]+\.[0-9]+")
 _BOOL_SETTINGS = ("torch_matmul_allow_tf32", "cudnn_allow_tf32")
 _STRING_SETTINGS = (
     "triton_f32_default",
@@ -77,6 +79,11 @@ def _checked(block: Any, where: str) -> dict[str, Any]:
             raise PrecisionBlockError(
                 f"{where}: precision.{field} must be a string or null, found {block[field]!r}"
             )
+    capability = block.get("compute_capability")
+    if capability is not None and not _CAPABILITY.fullmatch(capability):
+        raise PrecisionBlockError(
+            f'{where}: precision.compute_capability must be MAJOR.MINOR ("9.0") or null, found {capability!r}'
+        )
     return block
 
 
@@ -88,7 +95,7 @@ def _tf32_reasons(block: dict[str, Any]) -> list[str]:
         reasons.append(f"torch float32_matmul_precision {matmul!r}")
     capability = block.get("compute_capability")
     has_tf32 = capability is None or int(capability.split(".")[0]) >= _FIRST_TF32_MAJOR
-    if not block.get("device", "").startswith("cuda") or not has_tf32:
+    if not str(block.get("device") or "").startswith("cuda") or not has_tf32:
         return reasons
     triton_default = block.get("triton_f32_default")
     if block.get("triton") is not None and triton_default != fmt.IEEE_TRITON_F32:

@@ -53,6 +53,7 @@ def _manifest(device: str, precision: dict[str, Any] | None) -> dict[str, Any]:
         ("cpu", {**IEEE_ON_H100, "device": "cpu", "float32_matmul_precision": "medium"}, TF32),
         ("cuda: NVIDIA H100 80GB HBM3", None, UNKNOWN),  # a set made before the block
         ("cpu", None, IEEE),  # golden/ and every CPU set made before the block
+        ("cpu", {**TF32_ON_H100, "device": None, "compute_capability": None}, IEEE),  # null is allowed
     ],
 )
 def test_the_reference_precision_follows_the_recorded_settings(
@@ -91,13 +92,17 @@ def test_the_warning_names_what_ran_with_tf32() -> None:
             {**IEEE_ON_H100, "compute_capability": 9.0},
             "precision.compute_capability must be a string or null",
         ),
+        (
+            {**IEEE_ON_H100, "compute_capability": "sm90"},
+            """precision.compute_capability must be MAJOR.MINOR ("9.0") or null, found 'sm90'""",
+        ),
     ],
 )
 def test_a_malformed_block_is_one_error_naming_the_field(tmp_path: Path, block: Any, named: str) -> None:
     root = _set_with(tmp_path, "cpu", block)
     with pytest.raises(DumpError, match=r"manifest\.json: ") as raised:
         DumpSet(str(root))
-    assert named in str(raised.value)
+    assert named in str(raised.value) and "\n" not in str(raised.value)
 
 
 def _set_with(root: Path, device: str, precision: Any) -> Path:
