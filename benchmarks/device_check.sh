@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# One prepared run on a GPU machine (≤ 8 minutes on an H200), or its CPU half here (--cpu-smoke):
+# One prepared run on a GPU machine (steps 1-3 ≤ 8 minutes on an H200; step 4 not timed there yet, and
+# the deadline of --budget skips what does not fit), or its CPU half here (--cpu-smoke):
 #   1. dump sets with the hub file (`--reference hf-hub`) and with fla (`--reference fla`) on the GPU:
 #      the mini set, and T64/T1024 at the real size (kimi-linear-48b-a3b);
 #   2. `python -m conformance run --kernel naive` (kda_impl's plain-JAX kernels on JAX's GPU) on each;
-#   3. fla's Triton chunk_kda against the plain-JAX chunk_kda at H=32, D=128, T = 1024, 8192, 32768.
+#   3. fla's Triton chunk_kda against the plain-JAX chunk_kda at H=32, D=128, T = 1024, 8192, 32768;
+#   4. TF32 against IEEE fp32: the hub set of the last shape (fla's without a snapshot) made again with
+#      TRITON_F32_DEFAULT=tf32, and `benchmarks.tf32_compare`: each set's fp32 nRMSE against the float64
+#      truth and tf32 against ieee (tf32.json).
 # It uses the torch, JAX and triton already installed (python3, or $PYTHON) and installs nothing but the
 # wheels in .whl/ (fla-core, flash-linear-attention; add any other missing one there), into a
 # temporary folder. Every step has a time limit and the run a deadline (--budget); a step that fails or
 # runs out of time is recorded and the next one runs. Everything lands in the output folder: logs/,
-# dumps/, reports/, timing.json, summary.tsv. Exit status 0 only if every step that ran worked (a
+# dumps/, reports/, timing.json, tf32.json, summary.tsv. Exit status 0 only if every step that ran worked (a
 # conformance run that finds checks out of tolerance worked: its report says which).
 #
 #   benchmarks/device_check.sh [--cpu-smoke] [--out DIR] [--hub-snapshot DIR] [--budget SECONDS]
@@ -124,16 +128,22 @@ else
   record hf-hub "skipped (no modeling_kimi.py in $SNAPSHOT)" 0 "-"
 fi
 
+# dump_args REFERENCE NAME FOLDER: the dump_gen flags of set NAME's shape and cases with REFERENCE, into
+# dumps/FOLDER (in the array `args`).
+dump_args() {
+  # shellcheck disable=SC2206  # the shape flags and case ids split on spaces
+  args=(--out "$OUT_DIR/dumps/$3" --reference "$1" --device "$DEVICE" ${SHAPE[$2]} --no-progress)
+  [[ $1 == hf-hub ]] && args+=(--hub-snapshot "$SNAPSHOT")
+  # shellcheck disable=SC2206
+  [[ -n ${CASES[$2]} ]] && args+=(--cases ${CASES[$2]})
+}
+
 # 1. The dump sets, the hub's first (the RFC's ground truth).
 DUMPED=()
 for name in "${SET_NAMES[@]}"; do
   for reference in "${REFERENCES[@]}"; do
-    # shellcheck disable=SC2206  # the shape flags and case ids split on spaces
-    args=(--out "$OUT_DIR/dumps/$reference-$name" --reference "$reference" --device "$DEVICE" ${SHAPE[$name]})
-    [[ $reference == hf-hub ]] && args+=(--hub-snapshot "$SNAPSHOT")
-    # shellcheck disable=SC2206
-    [[ -n ${CASES[$name]} ]] && args+=(--cases ${CASES[$name]})
-    step "dump-$reference-$name" 150 "$PYTHON" -m dump_gen "${args[@]}" --no-progress && DUMPED+=("$reference-$name")
+    dump_args "$reference" "$name" "$reference-$name"
+    step "dump-$reference-$name" 150 "$PYTHON" -m dump_gen "${args[@]}" && DUMPED+=("$reference-$name")
   done
 done
 
@@ -146,6 +156,15 @@ for dumped in "${DUMPED[@]}"; do
     --report-dir "$OUT_DIR/reports/$dumped"
 done
 
+# 4. TF32 against IEEE fp32 (dump_gen keeps a TRITON_F32_DEFAULT it finds; its manifest records it).
+IEEE_SET="${REFERENCES[0]}-${SET_NAMES[-1]}"
+if [[ " ${DUMPED[*]} " == *" $IEEE_SET "* ]]; then
+  dump_args "${REFERENCES[0]}" "${SET_NAMES[-1]}" "$IEEE_SET-tf32"
+  step "dump-$IEEE_SET-tf32" 150 env TRITON_F32_DEFAULT=tf32 "$PYTHON" -m dump_gen "${args[@]}" \
+    && step tf32-vs-ieee 60 "$PYTHON" -m benchmarks.tf32_compare "$OUT_DIR/dumps/$IEEE_SET" \
+      "$OUT_DIR/dumps/$IEEE_SET-tf32" --out "$OUT_DIR/tf32.json"
+fi
+
 echo
 column -t -s $'\t' "$SUMMARY" 2>/dev/null || cat "$SUMMARY"
 for dumped in "${DUMPED[@]}"; do
@@ -153,4 +172,5 @@ for dumped in "${DUMPED[@]}"; do
   [[ -f $report ]] && { echo; echo "### $dumped"; head -n 40 "$report"; }
 done
 [[ -f "$OUT_DIR/timing.json" ]] && grep -h -E "first|FAILED" "$OUT_DIR/logs/timing.log"
+[[ -f "$OUT_DIR/tf32.json" ]] && cat "$OUT_DIR/logs/tf32-vs-ieee.log"
 exit $FAILED

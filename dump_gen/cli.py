@@ -177,6 +177,9 @@ def run(options: Options) -> dict:
 
     # The destination is checked first: a refused --out costs no torch import and no reference run.
     with open_writer(options.out, overwrite=options.overwrite) as writer:
+        from dump_gen.precision import use_ieee_fp32
+
+        use_ieee_fp32()  # first: it sets TRITON_F32_DEFAULT before torch, triton or fla is imported
         import torch
 
         from dump_gen.checkpoint import checkpoint_source, read_layer

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from dump_gen.errors import DumpError
 from dump_gen.inputs import CaseInputs, case_inputs
 from dump_gen.kernels import PATHS, KernelBackend, kernel_backend
+from dump_gen.precision import precision_block
 from dump_gen.references.base import LayerRunner, Reference
 from kda_spec.config import KDAConfig
 from kda_spec.dump_format import (
@@ -28,6 +29,7 @@ from kda_spec.dump_format import (
     LONG_GROUP,
     LONG_RESULT_NAMES,
     OUTPUT_KEY,
+    PRECISION_BLOCK,
     TRUTH_DTYPE,
     TRUTH_NAMES,
     WEIGHTS_FILE,
@@ -248,6 +250,7 @@ def generate(
         "version": FORMAT_VERSION,
         "config": config.to_manifest(),
         "reference": {"name": reference.name, **reference.describe(), "kernel_keys": kernels.name},
+        PRECISION_BLOCK: precision_block(device),  # read back after the runs: what they ran with
         "seed": seed,
         "weights": {"file": WEIGHTS_FILE, "sha256": weights_sha, "source": weights_source},
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -218,3 +218,11 @@ def decode_array(array: np.ndarray) -> np.ndarray:
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+# The manifest's optional `precision` block (docs/dump-format.md, "manifest.json"): how the reference's
+# fp32 arithmetic ran, as read back at run time. A set without it (made before it) is judged by its
+# reference's device: IEEE fp32 on a CPU, unknown on a CUDA device.
+PRECISION_BLOCK = "precision"
+TRITON_F32_DEFAULT = "TRITON_F32_DEFAULT"  # the variable Triton's fp32 `tl.dot` default reads
+IEEE_TRITON_F32 = "ieee"

@@ -20,6 +20,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
+from conformance.dumps.reference_precision import PrecisionBlockError, reference_precision
 from conformance.dumps.safe_npz import NpzError, load_npz
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig
@@ -131,6 +132,10 @@ class DumpSet:
         self.config = _parse_config(manifest.get("config"), where)
         self.weights_file, self.weights_sha256 = _parse_weights_block(manifest.get("weights"), where)
         self.cases: dict[str, CaseInfo] = _parse_cases(manifest, where)
+        try:  # whether its fp32 reference is IEEE fp32 (conformance/dumps/reference_precision.py)
+            self.reference_precision = reference_precision(manifest, where)
+        except PrecisionBlockError as err:
+            raise DumpError(str(err)) from None
         self._weights: dict[str, np.ndarray] | None = None
         self._cases_read: collections.OrderedDict[str, CaseData] = collections.OrderedDict()
 

@@ -141,13 +141,23 @@ def diagnosis_lines(report: dict[str, Any]) -> list[str]:
     ]
 
 
+def reference_precision_warning(report: dict[str, Any]) -> str | None:
+    """The warning about a dump set whose fp32 reference ran with TF32 or unrecorded precision, or None
+    (reports made before it record none)."""
+    recorded = report.get("dumps", {}).get("reference_precision")
+    return recorded.get("warning") if isinstance(recorded, dict) else None
+
+
 def terminal_lines(report: dict[str, Any]) -> list[str]:
-    """The verdict line, where the run ran and how its kernels ran, the faults, the table, then the checks
-    that did not hold; the interpret warning once more last."""
+    """The verdict line, where the run ran and how its kernels ran, a warning about a TF32 reference, the
+    reduced-precision matmuls the errors match, the faults, the table, then the checks that did not hold;
+    the interpret warning once more last."""
     header, body = summary_rows(report)
+    reference_warning = reference_precision_warning(report)
     lines = [
         headline(report),
         *platform_lines(report),
+        *([] if reference_warning is None else [reference_warning]),
         *diagnosis_lines(report),
         *_problem_lines(report),
         *format_text_table(header, body),
@@ -174,13 +184,15 @@ def markdown(report: dict[str, Any]) -> str:
     manifest = report["dumps"]["manifest"]
     reference = manifest.get("reference", {})
     word = verdict_word(report)
+    reference_warning = reference_precision_warning(report)
     lines = [
         "# KDA conformance report",
         "",
         f"**{word}**" + headline(report).removeprefix(word) + ".",
         "",
         *platform_markdown(report),
-        *[f"- **{line}**" for line in diagnosis_lines(report)],
+        *([] if reference_warning is None else ["", f"**{reference_warning}**"]),
+        *[item for line in diagnosis_lines(report) for item in ("", f"**{line}**")],
         "",
         ", ".join(f"{counts[s]} {s}" for s in STATUSES) + f", {counts['close_to_limit']} close to the limit.",
         "",

@@ -1,6 +1,7 @@
 """What a run really ran on: the platform and devices JAX used and, per run dtype, how the kernels ran.
 
-The report keeps them as `environment.platform` (report.json), says them first (report.md, the terminal
+The report keeps them as `environment.platform` (report.json), with the run's matmul precision and what
+DEFAULT means on the platform (`matmul_precision`), says them first (report.md, the terminal
 summary), warns loudly when Pallas ran only in its interpreter, and `gate --require-platform` (or the
 policy's `[platform] require`) refuses a report made elsewhere or with interpreted Pallas kernels.
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from typing import Any
+
+from conformance.runtime.matmul_precision import matmul_precision, matmul_precision_line
 
 REQUIRABLE_PLATFORMS = ("cpu", "tpu", "cuda")
 _INTERPRETED = re.compile(r"\(\s*interpret\s*,")
@@ -32,13 +35,13 @@ def platform_name(backend: str, platform_version: str) -> str:
 
 def jax_platform() -> dict[str, Any]:
     """The platform JAX runs on here: its name, JAX's backend, the devices' kind and count, the
-    processes, and the platform's version string."""
+    processes, the platform's version string, and a GPU's compute capability ("9.0" for an H100)."""
     import jax
 
     devices = jax.devices()
     backend = jax.default_backend()
     version = devices[0].client.platform_version
-    return {
+    found = {
         "name": platform_name(backend, version),
         "backend": backend,
         "device_kind": devices[0].device_kind,
@@ -46,6 +49,8 @@ def jax_platform() -> dict[str, Any]:
         "process_count": jax.process_count(),
         "platform_version": version,
     }
+    capability = getattr(devices[0], "compute_capability", None)
+    return found if capability is None else {**found, "compute_capability": str(capability)}
 
 
 def kernel_execution(kernel_used: str, platform: str) -> str:
@@ -64,9 +69,11 @@ def is_interpreted(execution: str) -> bool:
 def platform_block(
     kernel_used: Mapping[str, str], platform: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
-    """report.json's `environment.platform`: `platform` (default: `jax_platform()`), how the kernels ran
-    per run dtype (`kernels`), and the dtypes whose Pallas kernels were interpreted."""
+    """report.json's `environment.platform`: `platform` (default: `jax_platform()`), the run's matmul
+    precision and what DEFAULT means there (`matmul_precision`), how the kernels ran per run dtype
+    (`kernels`), and the dtypes whose Pallas kernels were interpreted."""
     block = dict(jax_platform() if platform is None else platform)
+    block.setdefault("matmul_precision", matmul_precision(block["name"], block.get("compute_capability")))
     kernels = {dtype: kernel_execution(used, block["name"]) for dtype, used in kernel_used.items()}
     block["kernels"] = kernels
     block["pallas_interpreted"] = [dtype for dtype, execution in kernels.items() if is_interpreted(execution)]
@@ -106,7 +113,8 @@ def interpret_warning(report: Mapping[str, Any]) -> str | None:
 
 
 def platform_lines(report: Mapping[str, Any]) -> list[str]:
-    """The first lines of a report: where it ran, how the kernels ran, and the interpret warning."""
+    """The first lines of a report: where it ran, how the kernels ran, its matmul precision, and the
+    interpret warning."""
     platform = _recorded(report)
     if platform is None:
         return ["platform: not recorded in this report"]
@@ -114,6 +122,9 @@ def platform_lines(report: Mapping[str, Any]) -> list[str]:
         f"platform: {devices_label(platform)} (JAX backend {platform.get('backend', '?')})",
         f"kernels: {_kernels_label(platform.get('kernels', {}))}",
     ]
+    precision = platform.get("matmul_precision")
+    if isinstance(precision, Mapping):  # reports made before it have none
+        lines.append(matmul_precision_line(precision))
     warning = interpret_warning(report)
     return lines if warning is None else [*lines, warning]
 

@@ -96,6 +96,14 @@ class ConformanceSession:
         self.comparisons[spec.id] = comparison
         return comparison
 
+    def failure_text(self, spec: CheckSpec, comparison: Comparison) -> str:
+        """A failed check's one line: its summary, after a note first (so that no cut loses it) for an
+        fp32 check whose absolute limits fail on a set whose fp32 reference may not be IEEE fp32."""
+        note = self.dumps.reference_precision.failure_note
+        if note and spec.dtype == "fp32" and comparison.absolute_failures:
+            return f"{note}: {comparison.summary()}"
+        return comparison.summary()
+
     def record(self, spec: CheckSpec, status: str, message: str, duration_s: float) -> None:
         comparison = self.comparisons.get(spec.id)
         if status == "failed" and comparison is None:
@@ -198,6 +206,7 @@ class ConformanceSession:
                 "url": self.options.dumps,
                 "manifest_sha256": self.dumps.manifest_sha256,
                 "manifest": self.dumps.manifest,
+                "reference_precision": self.dumps.reference_precision.as_dict(),
             },
             "implementation": {
                 "impl": self.options.impl,

@@ -16,4 +16,4 @@ def test_check(spec: CheckSpec, conformance: Any, record_property: Any) -> None:
     record_property("judged_by", comparison.judged_by)
     record_property("verdict", comparison.verdict)  # against the float64 truth; n/a without one
     if not comparison.passed:
-        pytest.fail(comparison.summary(), pytrace=False)
+        pytest.fail(conformance.failure_text(spec, comparison), pytrace=False)

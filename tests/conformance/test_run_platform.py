@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import pytest
 
+from conformance.runtime.matmul_precision import default_meaning
 from conformance.runtime.run_platform import (
     check_required_platform,
     kernel_execution,
@@ -23,6 +25,31 @@ TPU = {"name": "tpu", "backend": "tpu", "device_kind": "TPU v5 lite", "device_co
 
 def _report(kernel_used: dict[str, str], platform: dict[str, Any]) -> dict[str, Any]:
     return {"environment": {"platform": platform_block(kernel_used, platform)}}
+
+
+def test_the_platform_block_records_the_run_s_matmul_precision() -> None:
+    assert platform_block({"fp32": "naive (xla, cpu)"}, TPU)["matmul_precision"] == {
+        "jax_default_matmul_precision": None,
+        "default_means": default_meaning("tpu"),
+    }
+    with jax.default_matmul_precision("highest"):
+        block = platform_block({"fp32": "naive (xla, cpu)"}, CPU)["matmul_precision"]
+    assert block["jax_default_matmul_precision"] == "highest"
+    line = platform_lines({"environment": {"platform": {**CPU, "matmul_precision": block}}})[-1]
+    assert (
+        line
+        == "matmul precision: jax_default_matmul_precision='highest'; an fp32 dot at DEFAULT here is fp32"
+    )
+    # A report made before the record has no matmul line.
+    assert len(platform_lines({"environment": {"platform": {**CPU, "kernels": {}}}})) == 2
+
+
+def test_default_precision_means_tf32_on_sm80_and_later() -> None:
+    assert default_meaning("cuda", "9.0").startswith("TF32")
+    assert default_meaning("cuda", "8.0").startswith("TF32")
+    assert default_meaning("cuda", "7.5") == "fp32"
+    assert "sm80+" in default_meaning("cuda")
+    assert default_meaning("rocm") == "not known to this suite on rocm"
 
 
 def test_platform_names_tell_cuda_from_rocm() -> None:
@@ -47,12 +74,15 @@ def test_first_lines_name_the_platform_and_how_the_kernels_ran() -> None:
     assert platform_lines(native) == [
         "platform: tpu, TPU v5 lite ×4 (JAX backend tpu)",
         "kernels: pallas (mosaic, tpu) (fp32, bf16)",
+        "matmul precision: jax_default_matmul_precision unset; an fp32 dot at DEFAULT here is one bf16 "
+        "pass per matmul (bf16 operands, fp32 accumulation)",
     ]
     mixed = _report({"fp32": "naive (xla, cpu)", "bf16": "pallas (interpret, cpu)"}, CPU)
     warning = "WARNING: Pallas ran in interpret mode on cpu (bf16): this says nothing about Mosaic on a TPU"
     assert platform_lines(mixed) == [
         "platform: cpu, cpu ×1 (JAX backend cpu)",
         "kernels: fp32: naive (xla, cpu); bf16: pallas (interpret, cpu)",
+        "matmul precision: jax_default_matmul_precision unset; an fp32 dot at DEFAULT here is fp32",
         warning,
     ]
     assert platform_markdown(mixed)[-1] == f"**{warning}**"
