@@ -52,6 +52,11 @@ _STATE_AXES = ("seq", "head", "key", "value")
 KERNEL_TRUTH_SOURCE = "float64 recurrence on the dumped kernel inputs"
 
 
+# What the runner memoizes per case that depends on the dump alone, never on the implementation: the
+# truths and the models (`forget_implementation_results` keeps them).
+CASE_DERIVED = frozenset({"layer-truth", "kernel-truth", "contract-model", "matmul-model"})
+
+
 class CheckRunner(ImplementationCalls):
     """Computes and decides checks under `policy`; the long cases' windows are kept in
     `position_profiles`, by check id."""
@@ -68,6 +73,11 @@ class CheckRunner(ImplementationCalls):
         super().__init__(dumps, adapter_class, kernel, options, watchdog)
         self.policy = policy
         self.position_profiles: dict[str, PositionProfile] = {}
+
+    def forget_implementation_results(self) -> None:
+        """Forget the implementation's results of the current case (its adapter changed), keeping what the
+        case's dump alone gives (`CASE_DERIVED`)."""
+        self._memo = {key: value for key, value in self._memo.items() if key[0] in CASE_DERIVED}
 
     # --------------------------------------------------------------------------------------- checks
 

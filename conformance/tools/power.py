@@ -166,13 +166,6 @@ def checks_for(defect: Defect, seq_lens: tuple[int, ...]) -> list[str]:
     ]
 
 
-class PowerRunner(CheckRunner):
-    """A `CheckRunner` whose adapter changes between points: each point forgets the last one's results."""
-
-    def forget_results(self) -> None:
-        self._memo.clear()
-
-
 @dataclasses.dataclass
 class Outcome:
     """One point: the checks (`case:check`) that failed under each policy, and each compared check's
@@ -194,7 +187,7 @@ class PowerMeter:
 
     def __init__(self, dumps: DumpSet, policy: TolerancePolicy, kernel: str):
         self.dumps = dumps
-        self.runner = PowerRunner(dumps, DefectiveKDAImpl, kernel, policy)
+        self.runner = CheckRunner(dumps, DefectiveKDAImpl, kernel, policy)
         self.kernel = kernel
         self._adapters: dict[tuple[str, type], DefectiveKDAImpl] = {}
         # Per dtype, the checks the unmodified implementation already fails under each policy: a
@@ -221,7 +214,7 @@ class PowerMeter:
         adapter = self.adapter(dtype, layer_class)
         adapter.inject(injection)
         self.runner.use_adapter(dtype, adapter)
-        self.runner.forget_results()
+        self.runner.forget_implementation_results()
         failed: dict[str, list[str]] = {policy: [] for policy in POLICIES}
         ratios: dict[str, dict[str, float]] = {policy: {} for policy in POLICIES}
         for case_id, checks in cases.items():
