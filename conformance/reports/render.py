@@ -126,12 +126,19 @@ def _problem_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def dumps_line(report: dict[str, Any]) -> str:
+    """Which dump set ran: `dumps: golden (bundled, manifest sha256 …)`, or its URL and digest."""
+    dumps = report["dumps"]
+    return f"dumps: {dumps.get('label') or dumps['url']}"
+
+
 def terminal_lines(report: dict[str, Any]) -> list[str]:
-    """The verdict line, where the run ran and how its kernels ran, the faults, the table, then the checks
-    that did not hold; the interpret warning once more last."""
+    """The verdict line, which dump set ran, where the run ran and how its kernels ran, the faults, the
+    table, then the checks that did not hold; the interpret warning once more last."""
     header, body = summary_rows(report)
     lines = [
         headline(report),
+        dumps_line(report),
         *platform_lines(report),
         *_problem_lines(report),
         *format_text_table(header, body),
@@ -163,6 +170,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"**{word}**" + headline(report).removeprefix(word) + ".",
         "",
+        f"- {dumps_line(report)}",
         *platform_markdown(report),
         "",
         ", ".join(f"{counts[s]} {s}" for s in STATUSES) + f", {counts['close_to_limit']} close to the limit.",
@@ -170,8 +178,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"- implementation: `{impl['impl']}` ({impl['name']}), kernel requested `{impl['kernel']}`, "
         f"used {_kernels_used(impl['kernel_used'])}",
         f"- device: {env['backend']} ({env['device_kind']}), jax {env['versions'].get('jax', '?')}",
-        f"- dumps: `{report['dumps']['url']}`, preset `{manifest['config'].get('preset')}`, "
-        f"reference {reference.get('name', '?')} on {reference.get('device', '?')}",
+        f"- reference: {reference.get('name', '?')} on {reference.get('device', '?')}, "
+        f"preset `{manifest['config'].get('preset')}`",
         f"- tolerances: `{report['tolerances']['source']}`",
         "",
         "## Summary",
