@@ -89,6 +89,14 @@ def _stop(code: int, message: str, trace: str | None = None) -> None:
     pytest.exit(f"kda-conformance: {message}", returncode=code)
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The suite's file is collected by `SuiteCollector` alone (with --kda-impl), never as a test file of
+    a folder pytest walks: its tests exist only for a session."""
+    from conformance.suite import SUITE_FILE
+
+    return True if collection_path.resolve() == SUITE_FILE else None
+
+
 class SuiteCollector:
     """Adds the suite's tests after the repository's own, before `-k`, `-m` and `--deselect` select."""
 
