@@ -29,7 +29,7 @@ GOLDEN = REPO / "golden"
 COMMAND_TIMEOUT_S = 600
 
 
-def _build_wheel(tmp_path: Path) -> Path:
+def _copy_sources(tmp_path: Path) -> Path:
     source = tmp_path / "source"
     source.mkdir()
     for name in BUILD_INPUTS:
@@ -37,6 +37,11 @@ def _build_wheel(tmp_path: Path) -> Path:
             shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy(REPO / name, source / name)
+    return source
+
+
+def _build_wheel(tmp_path: Path) -> Path:
+    source = _copy_sources(tmp_path)
     pip(Path(sys.executable), "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"), str(source))
     (wheel,) = (tmp_path / "dist").glob("kda_conformance-*.whl")
     return wheel
@@ -149,3 +154,25 @@ def test_every_command_works_from_the_wheel_beside_sgl_jax_pins(tmp_path: Path) 
         "dump_gen: error: making a dump set needs torch, which is not installed: "
         "pip install 'kda-conformance[torch-cpu]'"
     )
+
+
+@pytest.mark.pypi
+def test_an_editable_install_reads_the_checkouts_golden(tmp_path: Path) -> None:
+    """`pip install -e` (what the make targets do) of a checkout: the plugin's entry point, and the
+    bundled set is the checkout's golden/ itself."""
+    source = _copy_sources(tmp_path)
+    python = fresh_venv(tmp_path / "venv")
+    pip(python, "install", "-q", "--no-deps", "-e", str(source))
+    pip(python, "install", "-q", "numpy", "ml_dtypes")  # what the bundled set's module imports, no more
+    script = (
+        "from importlib.metadata import entry_points\n"
+        "from conformance.dumps.bundled import bundled_golden\n"
+        "print(bundled_golden())\n"
+        "print(*(f'{e.name}={e.value}' for e in entry_points(group='pytest11')))\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    done = subprocess.run(
+        [str(python), "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [str(source / "golden"), "kda_conformance=conformance.suite.plugin"]
