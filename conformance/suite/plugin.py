@@ -5,7 +5,8 @@ repository's own pytest run.
 
 collects one test per check beside that repository's tests, with the ids, reports and exit status of
 `kda-conform run` (docs/adapters.md). Without `--kda-impl` the plugin only adds its options: it
-collects nothing, imports nothing heavy and changes nothing of the run.
+collects nothing, imports no more than the options' definitions (numpy, ml_dtypes), and changes
+nothing of the run.
 """
 
 from __future__ import annotations
