@@ -1,7 +1,8 @@
 """The pytest plugin: inert without --kda-impl; with it, the suite beside a repository's own tests, with
 the ids, reports and exit status of `kda-conform run`. Each run is a pytest of its own, in a folder
-outside the checkout, with the plugin named by `-p` (the installed entry point is tested from the
-wheel: tests/packaging/test_wheel.py)."""
+outside the checkout, with the plugin named by `-p`: by its entry point's name where this environment
+has the package's metadata (pytest would refuse the module registered under a second name), else by
+its module (the entry point alone is tested from the wheel: tests/packaging/test_wheel.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 NUMPY_IMPL = "tests.conformance.numpy_adapter:NumpyAdapter"
 OWN_TEST = "def test_own():\n    assert True\n"
+ENTRY_POINT = "kda_conformance"
+PLUGIN = ENTRY_POINT if entry_points(group="pytest11", name=ENTRY_POINT) else "conformance.suite.plugin"
 
 
 def _host(tmp_path: Path) -> Path:
@@ -29,7 +33,7 @@ def _host(tmp_path: Path) -> Path:
 def _pytest(host: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # the checkout's packages, and the tests' adapters
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "conformance.suite.plugin", "-p", "no:cacheprovider", *args],
+        [sys.executable, "-m", "pytest", "-p", PLUGIN, "-p", "no:cacheprovider", *args],
         cwd=host,
         env=env,
         capture_output=True,
