@@ -14,11 +14,14 @@ from __future__ import annotations
 import functools
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
 from conformance.suite.options import add_implementation_options, add_selection_options
+
+if TYPE_CHECKING:
+    from conformance.suite.session import ConformanceSession
 
 PREFIX = "kda-"  # every option of the plugin: --kda-impl, --kda-dumps, …
 DEFAULT_REPORT_DIR = "reports/kda-conformance"  # a folder of its own: a run clears its report files
@@ -56,7 +59,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(SuiteCollector(), "kda-conformance-collector")
 
 
-def _start(config: pytest.Config) -> Any:
+def _start(config: pytest.Config) -> ConformanceSession:
     """The opened session of the options given, as `kda-conform run` opens it; a run that cannot start
     stops pytest with run's exit status and one line (an implementation that cannot be imported or
     built: its traceback too)."""
@@ -84,7 +87,7 @@ def _option(config: pytest.Config, name: str) -> Any:
     return config.getoption(f"{PREFIX.replace('-', '_')}{name}")
 
 
-def _stop(code: int, message: str, trace: str | None = None) -> None:
+def _stop(code: int, message: str, trace: str | None = None) -> NoReturn:
     if trace:
         print(trace.rstrip(), file=sys.stderr)
     pytest.exit(f"kda-conformance: {message}", returncode=code)
