@@ -50,6 +50,7 @@ import numpy as np
 
 from conformance.adapters.tracebacks import own_traceback
 from kda_spec.config import KDAConfig
+from kda_spec.extras import missing_extra
 
 
 @dataclasses.dataclass
@@ -204,7 +205,8 @@ def _names_the_module(err: ModuleNotFoundError, module_name: str) -> bool:
 
 def load_adapter_class(spec: str) -> type[KDAAdapter]:
     """Resolve `kda_impl` or `package.module:Attr` to an adapter class, with a clear error: a ValueError
-    when `spec` names nothing importable, an `AdapterImportError` when its module raised on import."""
+    when `spec` names nothing importable, an `AdapterImportError` when its module raised on import, a
+    `MissingExtra` when a built-in adapter lacks the extra that installs its implementation."""
     target = BUILTIN_ADAPTERS.get(spec, spec)
     if ":" not in target:
         raise ValueError(
@@ -214,6 +216,9 @@ def load_adapter_class(spec: str) -> type[KDAAdapter]:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
+        missing = missing_extra(err, f"--impl {spec}") if spec in BUILTIN_ADAPTERS else None
+        if missing is not None:  # a built-in adapter without its extra: the install's, not a fault
+            raise missing from None
         if not _names_the_module(err, module_name):
             raise AdapterImportError(spec, module_name, err) from err
         raise ValueError(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -28,24 +27,32 @@ from conformance.adapters.guard import (
     ImplementationFault,
     checked_call_timeout,
 )
-from conformance.dumps.reader import DumpError, DumpSet
+from conformance.dumps.bundled import NoBundledSet, dumps_or_bundled
+from conformance.dumps.reader import DumpError, DumpSet, open_verified
 from conformance.judging.tolerances import DEFAULT_POLICY_FILE, TolerancePolicy, check_growth_factor
-from conformance.reports.output_files import check_writable_file, clear_report_dir
+from conformance.reports.output_files import check_writable_file
 from conformance.runtime.compile_cache import enable_compile_cache
 from conformance.runtime.cpu_compile import prefer_fast_cpu_compile
 from conformance.runtime.run_platform import REQUIRABLE_PLATFORMS, platform_breaches
+from conformance.suite import SUITE_FILE, SUITE_ROOT
 from conformance.suite.options import add_implementation_options, add_selection_options, suite_options
 from kda_spec.dump_format import DTYPES
+from kda_spec.extras import MissingExtra, missing_extra, require
 
 if TYPE_CHECKING:
     from conformance.suite.options import SuiteOptions
 
-SUITE_FILE = Path(__file__).with_name("suite") / "test_conformance.py"
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 
 class UsageError(Exception):
     """Bad arguments or unusable input: one line for the user, exit 2."""
+
+
+def _add_dumps_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dumps", metavar="DIR_OR_URL", help="the dump set (default: the golden set the package carries)"
+    )
 
 
 def _add_impl_options(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="run the conformance suite and write the reports")
-    run.add_argument("--dumps", required=True, metavar="DIR_OR_URL")
+    _add_dumps_option(run)
     _add_impl_options(run)
     add_selection_options(run.add_argument)
     run.add_argument("--report-dir", default="reports", metavar="DIR")
@@ -92,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     diff = commands.add_parser("diff", help="errors stage by stage through the layer for one case")
-    diff.add_argument("--dumps", required=True, metavar="DIR_OR_URL")
+    _add_dumps_option(diff)
     diff.add_argument("--case", required=True, metavar="ID")
     diff.add_argument("--dtype", default="fp32", choices=DTYPES)
     _add_impl_options(diff)
@@ -100,10 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("--stage", metavar="RESULT", help="result to draw (default: first out of tolerance)")
 
     verify = commands.add_parser("verify", help="check a dump set's schema and checksums")
-    verify.add_argument("--dumps", required=True, metavar="DIR_OR_URL")
+    _add_dumps_option(verify)
 
     power = commands.add_parser("power", help="the smallest injected defect the suite catches")
-    power.add_argument("--dumps", required=True, metavar="DIR_OR_URL")
+    _add_dumps_option(power)
     power.add_argument("--dtype", default="all", choices=(*DTYPES, "all"))
     power.add_argument("--cases", nargs="+", metavar="ID", help="case ids (default: each defect's own)")
     power.add_argument("--defects", nargs="+", metavar="PATTERN", help="defect ids or fnmatch patterns")
@@ -142,30 +149,18 @@ def _policy(path: str) -> TolerancePolicy:
         raise UsageError(str(err)) from None
 
 
-def _open_verified(url: str) -> DumpSet:
-    """The dump set at `url` with every file checked, or a UsageError listing what is wrong."""
-    dumps = DumpSet(url)
-    problems = dumps.verify()
-    if problems:
-        raise UsageError(f"dump set {url} is broken:\n  " + "\n  ".join(problems))
-    return dumps
-
-
 def cmd_verify(args: argparse.Namespace) -> int:
-    dumps = _open_verified(args.dumps)
+    dumps = open_verified(dumps_or_bundled(args.dumps))
     files = len(dumps.cases) + 2
     print(
-        f"{args.dumps}: format v1, {len(dumps.cases)} cases, {files} files, every sha256 and key checked: ok"
+        f"{dumps.label}: format v1, {len(dumps.cases)} cases, {files} files, every sha256 and key checked: ok"
     )
     return EXIT_OK
 
 
-def _adapter(args: argparse.Namespace) -> tuple[type[KDAAdapter], dict[str, str]]:
-    """The adapter class of `--impl` and its options (`--impl-option`, `--tp`/`--dp` as `tp`/`dp`),
-    checked by the adapter itself (`parse_options`). An adapter module that raises on import is an
-    `AdapterImportError` (`main` makes it exit 3)."""
+def _impl_options(args: argparse.Namespace) -> dict[str, str]:
+    """The adapter's options as given: `--impl-option`s, and `--tp`/`--dp` as `tp`/`dp`."""
     try:
-        adapter_class = load_adapter_class(args.impl)
         options = parse_option_pairs(args.impl_options)
         for key in ("tp", "dp"):
             shorthand = getattr(args, key)
@@ -173,6 +168,17 @@ def _adapter(args: argparse.Namespace) -> tuple[type[KDAAdapter], dict[str, str]
                 if key in options:
                     raise ValueError(f"--{key} {shorthand} and --impl-option {key}={options[key]}: give one")
                 options[key] = shorthand
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    return options
+
+
+def _adapter(args: argparse.Namespace) -> tuple[type[KDAAdapter], dict[str, str]]:
+    """The adapter class of `--impl` and its options, checked by the adapter itself (`parse_options`).
+    An adapter module that raises on import is an `AdapterImportError` (`main` makes it exit 3)."""
+    options = _impl_options(args)
+    try:
+        adapter_class = load_adapter_class(args.impl)
         adapter_class.parse_options(options)
     except ValueError as err:
         raise UsageError(str(err)) from None
@@ -203,31 +209,19 @@ def _implementation_fault(message: str, trace: str) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     import pytest
 
-    from conformance.suite.session import ConformanceSession, ProvidedSession
+    from conformance.suite.hooks import SuiteHooks
+    from conformance.suite.start import start_session
 
-    report_dir = Path(args.report_dir)
     try:
-        clear_report_dir(report_dir)  # first: the reports on disk are the last run's, or none
+        session = start_session(_suite_options(args, _impl_options(args)))
     except ValueError as err:
         raise UsageError(str(err)) from None
-    dumps = _open_verified(args.dumps)
-    _policy(args.tolerances)
-    _, options = _adapter(args)
-    suite_options = _suite_options(args, options)
-    enable_compile_cache()
-    try:
-        session = ConformanceSession(suite_options, dumps)
-    except ValueError as err:  # --cases naming a case the set lacks
-        raise UsageError(str(err)) from None
-    try:
-        session.build_implementation()
     except ImplementationFault as fault:
-        session.write_reports()
         return _implementation_fault(fault.message, fault.traceback_text)
     pytest_args = [
         str(SUITE_FILE),
         "-c", os.devnull,  # the suite's behaviour does not depend on the pytest settings of the cwd
-        f"--rootdir={SUITE_FILE.parent}",
+        f"--rootdir={SUITE_ROOT}",  # the test ids: conformance/suite/test_conformance.py::…
         "-p", "no:cacheprovider",
         "-rN",  # no short summary: the suite's own lists each check that did not hold
         "--tb=no",  # one line per check; the suite prints each distinct traceback once
@@ -237,7 +231,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.exitfirst:
         pytest_args.append("-x")
     pytest_args += args.pytest_args
-    code = int(pytest.main(pytest_args, plugins=[ProvidedSession(session)]))
+    code = int(pytest.main(pytest_args, plugins=[SuiteHooks(session)]))
     verdict = session.exit_code(code)
     if verdict is not None:
         return verdict
@@ -296,11 +290,10 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from conformance.tools.diff import first_out_of_tolerance, run_stages, stage_to_look_at, table_lines
     from conformance.tools.diff_heatmap import draw_heatmap
 
-    dumps = DumpSet(args.dumps)
+    dumps = DumpSet(dumps_or_bundled(args.dumps))
     dumps.case_ids([args.case])  # names an unknown case
-    if args.png and importlib.util.find_spec("matplotlib") is None:
-        raise UsageError("--png needs matplotlib: pip install 'kda-conformance[png]'")
     if args.png:
+        require("matplotlib", "diff --png")
         try:
             check_writable_file(Path(args.png), "--png")  # before the run, not after it
         except ValueError as err:
@@ -310,7 +303,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     watchdog = CallWatchdog(_call_timeout(args), EXIT_IMPLEMENTATION)
     runner = CheckRunner(dumps, adapter_class, args.kernel, _policy(args.tolerances), options, watchdog)
     if not runner.case(args.case).has_dtype(args.dtype):
-        raise UsageError(f"case {args.case!r} of {args.dumps} has no {args.dtype} run")
+        raise UsageError(f"case {args.case!r} of {dumps.label} has no {args.dtype} run")
     results = run_stages(runner, args.case, args.dtype)
     print(f"{args.case} ({args.dtype}), implementation {args.impl}, kernel {args.kernel}")
     for line in table_lines(results):
@@ -336,7 +329,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def cmd_power(args: argparse.Namespace) -> int:
     from conformance.tools import power_report
 
-    dumps, policy = _open_verified(args.dumps), _policy(args.tolerances)
+    dumps, policy = open_verified(dumps_or_bundled(args.dumps)), _policy(args.tolerances)
     enable_compile_cache()
     try:
         result, missed = power_report.run(
@@ -367,7 +360,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 
             get_preset(args.preset)
         else:
-            _open_verified(args.dumps)
+            open_verified(args.dumps)
     except ValueError as err:
         raise UsageError(str(err)) from None
     enable_compile_cache()
@@ -409,8 +402,14 @@ def main(argv: list[str] | None = None) -> int:
     prefer_fast_cpu_compile()  # before JAX starts: XLA reads $XLA_FLAGS once
     try:
         return COMMANDS[args.command](args)
-    except (UsageError, DumpError) as err:
+    except (UsageError, DumpError, NoBundledSet, MissingExtra) as err:
         print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except ModuleNotFoundError as err:  # an optional dependency the command imports on its way
+        missing = missing_extra(err, args.command)
+        if missing is None:
+            raise
+        print(f"error: {missing}", file=sys.stderr)
         return EXIT_USAGE
     except AdapterImportError as err:
         return _implementation_fault(str(err), err.traceback_text)

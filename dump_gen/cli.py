@@ -6,7 +6,8 @@
         [--rms-norm-eps X] [--threads N] [--truth-intermediates-max-tokens N]
 
 Exit status: 0 the set was written; 2 a problem the user can fix, reported on one line (a bad flag,
-checkpoint or destination, a reference that produced NaN/Inf), with the destination as it was;
+checkpoint or destination, a reference that produced NaN/Inf, the torch references' extra not
+installed), with the destination as it was;
 130 interrupted (Ctrl-C): a local destination as it was, a remote one as kda_spec.storage says.
 """
 
@@ -22,6 +23,7 @@ from dump_gen.errors import DumpError
 from dump_gen.references import REFERENCES
 from kda_spec.config import PRESETS, KDAConfig, get_preset
 from kda_spec.dump_format import CASE_GROUPS, CASES_BY_ID, select_cases
+from kda_spec.extras import missing_extra
 from kda_spec.storage import StorageError
 from kda_spec.synthetic_weights import WEIGHTS_KINDS
 from kda_spec.truth import INTERMEDIATES_MAX_TOKENS
@@ -217,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         manifest = run(options)
     except (DumpError, StorageError) as err:
         print(f"dump_gen: error: {err}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:  # the torch references' extra, imported once the flags are good
+        missing = missing_extra(err, "making a dump set")
+        if missing is None:
+            raise
+        print(f"dump_gen: error: {missing}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(

@@ -17,6 +17,8 @@ import urllib.parse
 
 import fsspec
 
+from kda_spec.extras import MissingExtra
+
 CONNECT_TIMEOUT_S = 5.0
 CONNECT_TRIES = 2
 RETRY_PAUSE_S = 1.0
@@ -37,9 +39,9 @@ def open_location(url: str, *, cached: bool = False) -> tuple[fsspec.AbstractFil
     try:
         fsspec.get_filesystem_class(protocol)  # imports the implementation, connects nowhere
     except ImportError as err:
-        raise LocationError(
-            f"{url}: cannot open ({err}); for gs:// install the 'gcs' extra: pip install -e '.[gcs]'"
-        ) from None
+        if protocol in GCS_PROTOCOLS:
+            raise LocationError(str(MissingExtra(url, "gcsfs"))) from None
+        raise LocationError(f"{url}: cannot open ({err})") from None
     except ValueError as err:
         raise LocationError(f"{url}: cannot open ({err})") from None
     if protocol in GCS_PROTOCOLS:

@@ -20,6 +20,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
+from conformance.dumps.bundled import dump_set_label
 from conformance.dumps.reference_precision import PrecisionBlockError, reference_precision
 from conformance.dumps.safe_npz import NpzError, load_npz
 from kda_spec import dump_format as fmt
@@ -34,9 +35,9 @@ CASE_CACHE_BYTES = 1 << 30
 _REQUIRED_CASE_FIELDS = ("id", "file", "sha256", "seq_lens")
 _CONFIG_INT_FIELDS = ("hidden_size", "num_heads", "head_dim", "conv_size")
 _LAYER_KERNEL_PATHS = ("chunk", "fused_recurrent")
-# Where a dump set comes from, for a --dumps that names none (an installed package carries no golden/).
+# Where a dump set comes from, for a --dumps that names none.
 WHERE_SETS_COME_FROM = (
-    "a dump set is made by `make golden` (golden/ of a checkout of this repository) or "
+    "leave --dumps out for the golden set the package carries; a dump set is made by "
     "`python -m dump_gen --out DIR`, or read from the gs:// URL it was written to"
 )
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -139,6 +140,11 @@ class DumpSet:
         self._weights: dict[str, np.ndarray] | None = None
         self._cases_read: collections.OrderedDict[str, CaseData] = collections.OrderedDict()
 
+    @property
+    def label(self) -> str:
+        """The set as reports name it: `golden (bundled, manifest sha256 …)`, or its URL and digest."""
+        return dump_set_label(self.url, self.manifest_sha256)
+
     # ------------------------------------------------------------------------------------------- files
 
     def _where(self, relpath: str) -> str:
@@ -231,6 +237,16 @@ class DumpSet:
         if unknown:
             raise DumpError(f"{self.url}: no case(s) {unknown}; the manifest lists {list(self.cases)}")
         return list(selected)
+
+
+def open_verified(url: str) -> DumpSet:
+    """The dump set at `url` with every file checked (its files are then read once by a run); a
+    DumpError lists every problem, one an indented line."""
+    dumps = DumpSet(url)
+    problems = dumps.verify()
+    if problems:
+        raise DumpError(f"dump set {url} is broken:\n  " + "\n  ".join(problems))
+    return dumps
 
 
 def _read_only(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

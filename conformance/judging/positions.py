@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from conformance.judging.comparison import Comparison, judge
 from conformance.judging.measurement import Measurement, elements_outside
 from conformance.judging.tolerances import RelativeLimits, Tolerance
 from conformance.judging.verdict import Criterion
+from kda_spec.extras import MissingExtra, require
 
 WINDOW_TOKENS = 256
 # The checks of a long case that measure the error by position: the prefill's output, or the output of
@@ -222,8 +222,10 @@ def write_files(profiles: list[PositionProfile], folder: Path) -> list[str]:
         writer.writeheader()
         for profile in profiles:
             writer.writerows(profile.rows())
-    if importlib.util.find_spec("matplotlib") is None:
-        picture = f"matplotlib is not installed (`pip install 'kda-conformance[png]'`): no {PNG_FILE}."
+    try:
+        require("matplotlib", PNG_FILE)
+    except MissingExtra as missing:
+        picture = f"no {PNG_FILE}: {missing}."
     else:
         draw(profiles, folder / PNG_FILE)
         picture = f"![error by position]({PNG_FILE})"

@@ -148,14 +148,21 @@ def reference_precision_warning(report: dict[str, Any]) -> str | None:
     return recorded.get("warning") if isinstance(recorded, dict) else None
 
 
+def dumps_line(report: dict[str, Any]) -> str:
+    """Which dump set ran: `dumps: golden (bundled, manifest sha256 …)`, or its URL and digest."""
+    dumps = report["dumps"]
+    return f"dumps: {dumps.get('label') or dumps['url']}"
+
+
 def terminal_lines(report: dict[str, Any]) -> list[str]:
-    """The verdict line, where the run ran and how its kernels ran, a warning about a TF32 reference, the
-    reduced-precision matmuls the errors match, the faults, the table, then the checks that did not hold;
-    the interpret warning once more last."""
+    """The verdict line, which dump set ran, where the run ran and how its kernels ran, a warning about a
+    TF32 reference, the reduced-precision matmuls the errors match, the faults, the table, then the checks
+    that did not hold; the interpret warning once more last."""
     header, body = summary_rows(report)
     reference_warning = reference_precision_warning(report)
     lines = [
         headline(report),
+        dumps_line(report),
         *platform_lines(report),
         *([] if reference_warning is None else [reference_warning]),
         *diagnosis_lines(report),
@@ -190,6 +197,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"**{word}**" + headline(report).removeprefix(word) + ".",
         "",
+        f"- {dumps_line(report)}",
         *platform_markdown(report),
         *([] if reference_warning is None else ["", f"**{reference_warning}**"]),
         *[item for line in diagnosis_lines(report) for item in ("", f"**{line}**")],
@@ -199,8 +207,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"- implementation: `{impl['impl']}` ({impl['name']}), kernel requested `{impl['kernel']}`, "
         f"used {_kernels_used(impl['kernel_used'])}",
         f"- device: {env['backend']} ({env['device_kind']}), jax {env['versions'].get('jax', '?')}",
-        f"- dumps: `{report['dumps']['url']}`, preset `{manifest['config'].get('preset')}`, "
-        f"reference {reference.get('name', '?')} on {reference.get('device', '?')}",
+        f"- reference: {reference.get('name', '?')} on {reference.get('device', '?')}, "
+        f"preset `{manifest['config'].get('preset')}`",
         f"- tolerances: `{report['tolerances']['source']}`",
         "",
         "## Summary",

@@ -1,6 +1,7 @@
 """The suite's options, defined once: `python -m conformance run` adds them to its argparse parser and
-`pytest conformance/suite` to pytest's (whose `addoption` takes argparse's arguments); `diff`, `power`
-and `search` reuse the implementation's."""
+the pytest plugin to pytest's (whose `addoption` takes argparse's arguments), there with the prefix
+`kda-` (`--kda-impl`, `--kda-dumps`) so that they never meet another repository's own options; `diff`,
+`power` and `search` reuse the implementation's."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from conformance.adapter import KERNEL_CHOICES, parse_option_pairs
 from conformance.adapters.guard import DEFAULT_CALL_TIMEOUT_S, checked_call_timeout
+from conformance.dumps.bundled import dumps_or_bundled
 from conformance.judging.tolerances import DEFAULT_POLICY_FILE
 from kda_spec.dump_format import DTYPES
 
@@ -40,22 +42,43 @@ class SuiteOptions:
 AddOption = Callable[..., Any]  # argparse's `add_argument`, or pytest's `addoption`
 
 
-def add_implementation_options(add: AddOption) -> None:
-    """--impl, --kernel, --impl-option, --tolerances, --call-timeout."""
-    add("--impl", default="kda_impl", help="built-in adapter name or package.module:Attr")
-    add("--kernel", default="auto", choices=KERNEL_CHOICES, help="kernel of the implementation")
+def add_implementation_options(
+    add: AddOption, prefix: str = "", default_impl: str | None = "kda_impl"
+) -> None:
+    """--impl, --kernel, --impl-option, --tolerances, --call-timeout; each named `--<prefix><name>`, its
+    dest `<prefix>_<name>` (`prefix` "kda-": `--kda-impl`, dest `kda_impl`)."""
+    flag, dest = f"--{prefix}", prefix.replace("-", "_")
     add(
-        "--impl-option",
-        dest="impl_options",
+        f"{flag}impl",
+        dest=f"{dest}impl",
+        default=default_impl,
+        metavar="NAME_OR_MODULE:ATTR",
+        help="built-in adapter name or package.module:Attr",
+    )
+    add(
+        f"{flag}kernel",
+        dest=f"{dest}kernel",
+        default="auto",
+        choices=KERNEL_CHOICES,
+        help="kernel of the implementation",
+    )
+    add(
+        f"{flag}impl-option",
+        dest=f"{dest}impl_options",
         action="append",
         default=[],
         metavar="KEY=VALUE",
         help="an option of the adapter, passed to its constructor (repeatable; see docs/adapters.md)",
     )
-    add("--tolerances", default=str(DEFAULT_POLICY_FILE), help="the tolerance policy file")
     add(
-        "--call-timeout",
-        dest="call_timeout",
+        f"{flag}tolerances",
+        dest=f"{dest}tolerances",
+        default=str(DEFAULT_POLICY_FILE),
+        help="the tolerance policy file",
+    )
+    add(
+        f"{flag}call-timeout",
+        dest=f"{dest}call_timeout",
         type=float,
         default=DEFAULT_CALL_TIMEOUT_S,
         metavar="SECONDS",
@@ -63,20 +86,29 @@ def add_implementation_options(add: AddOption) -> None:
     )
 
 
-def add_selection_options(add: AddOption) -> None:
-    """--dtypes, --cases: which of the dump set's runs and cases the suite checks."""
-    add("--dtypes", default="fp32,bf16", help="comma-separated subset of fp32,bf16")
-    add("--cases", nargs="+", metavar="ID", help="case ids (default: every case of the set)")
+def add_selection_options(add: AddOption, prefix: str = "") -> None:
+    """--dtypes, --cases: which of the dump set's runs and cases the suite checks (named as above)."""
+    flag, dest = f"--{prefix}", prefix.replace("-", "_")
+    add(
+        f"{flag}dtypes", dest=f"{dest}dtypes", default="fp32,bf16", help="comma-separated subset of fp32,bf16"
+    )
+    add(
+        f"{flag}cases",
+        dest=f"{dest}cases",
+        nargs="+",
+        metavar="ID",
+        help="case ids (default: every case of the set)",
+    )
 
 
 def suite_options(
     get: Callable[[str], Any], report_dir: Path | None, impl_options: dict[str, str] | None = None
 ) -> SuiteOptions:
-    """The `SuiteOptions` of parsed options, each read by its dest with `get`; `impl_options` in place of
-    the parsed `--impl-option`s (the command line adds `--tp`/`--dp` to them). A ValueError names an
-    unusable value."""
+    """The `SuiteOptions` of parsed options, each read by its dest (without a prefix) with `get`; a
+    `dumps` of None is the bundled golden set; `impl_options` in place of the parsed `--impl-option`s
+    (the command line adds `--tp`/`--dp` to them). A ValueError names an unusable value."""
     return SuiteOptions(
-        dumps=get("dumps"),
+        dumps=dumps_or_bundled(get("dumps")),
         impl=get("impl"),
         kernel=get("kernel"),
         dtypes=parse_dtypes(get("dtypes")),

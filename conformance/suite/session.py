@@ -20,6 +20,7 @@ from conformance.adapters.guard import (
 )
 from conformance.checks.catalogue import CheckSkipped, CheckSpec, plan
 from conformance.checks.runner import CheckRunner
+from conformance.dumps.bundled import is_bundled
 from conformance.dumps.reader import DumpSet
 from conformance.judging.comparison import Comparison
 from conformance.judging.positions import write_files as write_position_files
@@ -31,6 +32,7 @@ from conformance.runtime.environment import environment
 from conformance.suite.options import SuiteOptions
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+EXIT_FAIL, EXIT_USAGE = 1, 2  # docs/cli.md: a check out of tolerance; an interrupted run, nothing checked
 
 
 class ConformanceSession:
@@ -167,7 +169,7 @@ class ConformanceSession:
 
     def nothing_checked(self, pytest_code: int, keyword: str | None) -> str | None:
         """Why a finished run compared nothing (no check selected, or every check skipped), else None."""
-        if pytest_code == pytest.ExitCode.NO_TESTS_COLLECTED:
+        if pytest_code == pytest.ExitCode.NO_TESTS_COLLECTED or self.planned == 0:
             if keyword:
                 return (
                     f"nothing was checked: -k {keyword!r} matches no check "
@@ -189,9 +191,9 @@ class ConformanceSession:
         if self.faults:
             return EXIT_IMPLEMENTATION
         if pytest_code == pytest.ExitCode.INTERRUPTED or (self.stopped or "").startswith("interrupted"):
-            return 2
+            return EXIT_USAGE
         if any(record.status in ("failed", "error") for record in self.records):
-            return 1
+            return EXIT_FAIL
         return None
 
     # ---------------------------------------------------------------------------------------- reports
@@ -204,6 +206,8 @@ class ConformanceSession:
             "duration_s": round(time.monotonic() - self.started, 2),
             "dumps": {
                 "url": self.options.dumps,
+                "label": self.dumps.label,  # golden (bundled, manifest sha256 …), or the URL and digest
+                "bundled": is_bundled(self.options.dumps),
                 "manifest_sha256": self.dumps.manifest_sha256,
                 "manifest": self.dumps.manifest,
                 "reference_precision": self.dumps.reference_precision.as_dict(),
@@ -244,10 +248,3 @@ class ConformanceSession:
         by_position = write_position_files(list(self.runner.position_profiles.values()), folder)
         (folder / "report.md").write_text(markdown(report) + "\n".join(by_position))
         return report
-
-
-class ProvidedSession:
-    """A pytest plugin that hands the suite a session the command line already opened and built."""
-
-    def __init__(self, session: ConformanceSession):
-        self.session = session

@@ -7,13 +7,22 @@ from typing import Any
 import pytest
 
 from conformance.checks.catalogue import CheckSpec
+from conformance.suite.hooks import SESSION
+from conformance.suite.session import ConformanceSession
 
 
-def test_check(spec: CheckSpec, conformance: Any, record_property: Any) -> None:
-    comparison = conformance.check(spec)  # skips the test when the check cannot run
+@pytest.fixture(scope="session")
+def kda_conformance(request: pytest.FixtureRequest) -> ConformanceSession:
+    """The run's session (`hooks.SuiteHooks`); defined here, so that no fixture of a repository that
+    runs the suite in its own pytest (the plugin) meets it."""
+    return request.config.stash[SESSION]
+
+
+def test_check(spec: CheckSpec, kda_conformance: ConformanceSession, record_property: Any) -> None:
+    comparison = kda_conformance.check(spec)  # skips the test when the check cannot run
     for key in ("margin", "nrmse", "max_abs", "share_outside"):
         record_property(key, f"{getattr(comparison, key):.4g}")
     record_property("judged_by", comparison.judged_by)
     record_property("verdict", comparison.verdict)  # against the float64 truth; n/a without one
     if not comparison.passed:
-        pytest.fail(conformance.failure_text(spec, comparison), pytrace=False)
+        pytest.fail(kda_conformance.failure_text(spec, comparison), pytrace=False)

@@ -81,13 +81,18 @@ def test_the_reports_say_first_where_the_run_ran(good_run: tuple[Path, str]) -> 
     }
     assert platform["kernels"] == {"fp32": "auto", "bf16": "auto"}  # the numpy adapter's kernel_used
     first = f"platform: {platform['name']}, {platform['device_kind']} ×{platform['device_count']}"
-    # The verdict line first, then where the run ran and how its kernels ran.
+    dumps = json.loads((reports / "report.json").read_text())["dumps"]
+    assert dumps["bundled"] is False
+    assert dumps["label"] == f"{dumps['url']} (manifest sha256 {dumps['manifest_sha256']})"
+    # The verdict line first, then which dump set ran, where the run ran and how its kernels ran.
     summary = [line for line in stdout[stdout.index("KDA conformance") :].splitlines() if line]
     assert summary[1].startswith("PASS: 80 checked, 4 skipped")
-    assert summary[2].startswith(first) and summary[3] == "kernels: auto (fp32, bf16)"
+    assert summary[2] == f"dumps: {dumps['label']}"
+    assert summary[3].startswith(first) and summary[4] == "kernels: auto (fp32, bf16)"
     markdown = (reports / "report.md").read_text().splitlines()
     assert markdown[2].startswith("**PASS**: 80 checked")
-    assert markdown[4].startswith(f"- {first}") and markdown[5] == "- kernels: auto (fp32, bf16)"
+    assert markdown[4] == f"- dumps: {dumps['label']}"
+    assert markdown[5].startswith(f"- {first}") and markdown[6] == "- kernels: auto (fp32, bf16)"
 
 
 def test_kda_conform_finds_an_adapter_in_the_current_folder(tmp_path: Path, synthetic_dumps: Path) -> None:
@@ -185,7 +190,7 @@ def test_usage_errors_are_one_line_and_exit_2(tmp_path: Path, synthetic_dumps: P
     assert result.returncode == 2
     assert result.stderr.strip() == (
         f"error: {tmp_path / 'missing'}: no such dump set (the folder does not exist); "
-        "a dump set is made by `make golden` (golden/ of a checkout of this repository) or "
+        "leave --dumps out for the golden set the package carries; a dump set is made by "
         "`python -m dump_gen --out DIR`, or read from the gs:// URL it was written to"
     )
     result = _run("run", "--dumps", str(synthetic_dumps), "--impl", "no_such_module:Adapter")
