@@ -3,17 +3,18 @@ optionally with the float64 truth of every result (tests/conformance/truth_layer
 
 from __future__ import annotations
 
-import io
-import json
 from pathlib import Path
 
 import numpy as np
 
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig
+from kda_spec.dump_writer import DumpSetWriter, TruthBlock
+from kda_spec.storage import open_writer
 from tests.conformance.numpy_adapter import NumpyAdapter, l2norm
 from tests.conformance.truth_layer import layer_truth
 
+TRUTH_IMPLEMENTATION = "tests.conformance.truth_layer: the layer in float64 numpy"
 TINY = KDAConfig(hidden_size=32, num_heads=2, head_dim=8, conv_size=4, rms_norm_eps=1e-5, preset="tiny")
 
 
@@ -100,45 +101,22 @@ def write_dump_set(
     computed by the numpy reference, the hidden states normal with `hidden_std`; with `truth`, the float64
     truth of the output, final states and intermediates of every run too."""
     root = Path(root)
-    (root / fmt.CASES_DIR).mkdir(parents=True, exist_ok=True)
     weights = tiny_weights(config, seed)
-    manifest_cases = []
     rng = np.random.default_rng(seed)
-    for spec in _specs(cases):
-        arrays = case_arrays(spec, config, weights, rng, dtypes, intermediates, truth, hidden_std)
-        manifest_cases.append(
-            {
-                "id": spec.case_id,
-                "file": spec.file,
-                "sha256": _write_npz(root / spec.file, arrays),
-                "seq_lens": list(spec.seq_lens),
-                "initial_state": spec.initial_state,
-                "layer_kernel_path": "chunk",
-                "keys": sorted(arrays),
-            }
+    with open_writer(str(root), overwrite=True) as writer:
+        dump_set = DumpSetWriter(writer)
+        dump_set.write_weights(weights, "synthetic")
+        for spec in _specs(cases):
+            arrays = case_arrays(spec, config, weights, rng, dtypes, intermediates, truth, hidden_std)
+            dump_set.write_case(spec, arrays, sorted_keys=True)
+        dump_set.commit(
+            config=config,
+            reference={"name": "numpy-reference", "versions": {"numpy": np.__version__}, "device": "cpu"},
+            seed=seed,
+            generator="tests.conformance.synthetic",
+            truth=TruthBlock(TRUTH_IMPLEMENTATION, fmt.TRUTH_NAMES) if truth else None,
+            created="2026-11-30T00:00:00Z",
         )
-    manifest = {
-        "format": fmt.FORMAT_NAME,
-        "version": fmt.FORMAT_VERSION,
-        "config": config.to_manifest(),
-        "reference": {"name": "numpy-reference", "versions": {"numpy": np.__version__}, "device": "cpu"},
-        "seed": seed,
-        "weights": {
-            "file": fmt.WEIGHTS_FILE,
-            "sha256": _write_npz(root / fmt.WEIGHTS_FILE, weights),
-            "source": "synthetic",
-        },
-        "created": "2026-11-30T00:00:00Z",
-        "generator": "tests.conformance.synthetic",
-        "cases": manifest_cases,
-    }
-    if truth:
-        manifest["truth"] = {
-            "dtype": "float64",
-            "implementation": "tests.conformance.truth_layer: the layer in float64 numpy",
-            "names": list(fmt.TRUTH_NAMES),
-        }
-    (root / fmt.MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
     return root
 
 
@@ -148,10 +126,3 @@ def _specs(cases: tuple[str | fmt.CaseSpec, ...]) -> list[fmt.CaseSpec]:
     for case in cases:
         specs.extend([case] if isinstance(case, fmt.CaseSpec) else fmt.select_cases([case]))
     return specs
-
-
-def _write_npz(path: Path, arrays: dict[str, np.ndarray]) -> str:
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    path.write_bytes(buffer.getvalue())
-    return fmt.sha256_bytes(buffer.getvalue())
