@@ -39,6 +39,7 @@ from kda_impl.kernels.pallas.common import (
     to_chunks,
 )
 from kda_impl.kernels.pallas.tuning import CHUNK_SIZE, SUB_BLOCK
+from kda_impl.kernels.validation import validate_gate_inputs
 
 
 @kda_entry_point(static=("chunk_size", "use_gate_in_kernel", "interpret"))
@@ -71,7 +72,8 @@ def chunk_kda(
     if chunk_size % SUB_BLOCK or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive multiple of {SUB_BLOCK}, got {chunk_size}")
     heads, key_dim = q.shape[1:]
-    gate = validate_gate_inputs(use_gate_in_kernel, A_log, dt_bias, heads, key_dim)
+    params = validate_gate_inputs(use_gate_in_kernel, A_log, dt_bias, g)
+    gate = None if params is None else (params[0].reshape(heads, 1, 1), params[1].reshape(heads, 1, key_dim))
     return _chunk_packed(
         q * scale,
         k,
@@ -83,32 +85,6 @@ def chunk_kda(
         gate,
         chunk_size=chunk_size,
         interpret=resolve_interpret(interpret),
-    )
-
-
-def validate_gate_inputs(
-    use_gate_in_kernel: bool,
-    a_log: jax.Array | None,  # [H]
-    dt_bias: jax.Array | None,  # [H, K] or [H * K]
-    heads: int,
-    key_dim: int,
-) -> tuple[jax.Array, jax.Array] | None:
-    """The in-kernel gate's parameters as fp32 `([H, 1, 1], [H, 1, K])`, or None without the option."""
-    if not use_gate_in_kernel:
-        if a_log is not None or dt_bias is not None:
-            raise ValueError("A_log / dt_bias are only used with use_gate_in_kernel=True")
-        return None
-    if a_log is None:
-        raise ValueError("use_gate_in_kernel=True needs A_log [H]")
-    if a_log.shape != (heads,):
-        raise ValueError(f"A_log.shape={a_log.shape} must be [H]=({heads},)")
-    if dt_bias is None:
-        dt_bias = jnp.zeros((heads, key_dim), jnp.float32)
-    if dt_bias.shape not in ((heads, key_dim), (heads * key_dim,)):
-        raise ValueError(f"dt_bias.shape={dt_bias.shape} must be [H, K]={(heads, key_dim)} or [H * K]")
-    return (
-        jnp.asarray(a_log, jnp.float32).reshape(heads, 1, 1),
-        jnp.asarray(dt_bias, jnp.float32).reshape(heads, 1, key_dim),
     )
 
 
