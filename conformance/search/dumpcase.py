@@ -48,13 +48,6 @@ REFERENCE = {
 KERNEL_PATHS = ("chunk", "fused_recurrent")
 
 
-def _stored(array: np.ndarray, name: str, dtype: str) -> np.ndarray:
-    """A result as the format stores it: raw bf16 bits in a bf16 run (but for the fp32 keys)."""
-    if dtype == "bf16" and name not in fmt.FP32_IN_BF16_RUN:
-        return fmt.float32_to_bf16_bits(array)
-    return np.asarray(array, np.float32)
-
-
 def plain_pipeline(
     hidden_states: np.ndarray,
     inputs: CaseInputs,
@@ -88,12 +81,12 @@ def case_arrays(
     o, state = packed_delta_rule(q, k, reference["v_after_conv"], reference["g"], reference["beta"], cu, init)
     if dtype == "bf16":
         o = bf16_rounded(o)  # the kernel's output in the run dtype, as the reference kernel returns it
-    arrays[fmt.result_key("out", dtype)] = _stored(reference["out"], "out", dtype)
+    arrays[fmt.result_key("out", dtype)] = fmt.stored_result(reference["out"], "out", dtype)
     for path in KERNEL_PATHS:
-        arrays[fmt.result_key(f"o_kda_{path}", dtype)] = _stored(o, f"o_kda_{path}", dtype)
+        arrays[fmt.result_key(f"o_kda_{path}", dtype)] = fmt.stored_result(o, f"o_kda_{path}", dtype)
         arrays[fmt.result_key(f"recurrent_state_{path}", dtype)] = state
     for name in fmt.INTERMEDIATE_KEYS:
-        arrays[fmt.result_key(name, dtype)] = _stored(reference[name], name, dtype)
+        arrays[fmt.result_key(name, dtype)] = fmt.stored_result(reference[name], name, dtype)
     for name in fmt.TRUTH_NAMES:
         arrays[fmt.truth_key(name, dtype)] = np.asarray(truth[name], np.float64)
     return arrays

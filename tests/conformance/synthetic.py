@@ -35,12 +35,6 @@ def tiny_weights(config: KDAConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return {name: np.asarray(w, np.float32) for name, w in weights.items()}
 
 
-def _store(array: np.ndarray, name: str, dtype: str) -> np.ndarray:
-    if dtype == "bf16" and name not in fmt.FP32_IN_BF16_RUN:
-        return fmt.float32_to_bf16_bits(array)
-    return np.asarray(array, np.float32)
-
-
 def case_arrays(
     spec: fmt.CaseSpec,
     config: KDAConfig,
@@ -62,7 +56,7 @@ def case_arrays(
     for dtype in dtypes:
         adapter = NumpyAdapter(config, weights, dtype)
         result = adapter.layer_extend(x, cu, init)
-        arrays[fmt.result_key("out", dtype)] = _store(result.out, "out", dtype)
+        arrays[fmt.result_key("out", dtype)] = fmt.stored_result(result.out, "out", dtype)
         inter = result.intermediates
         kernel_inputs = (
             l2norm(inter["q_after_conv"]),
@@ -75,11 +69,11 @@ def case_arrays(
         )
         for path in ("chunk", "fused_recurrent"):
             o, state = adapter.chunk_kernel(*kernel_inputs)
-            arrays[fmt.result_key(f"o_kda_{path}", dtype)] = _store(o, f"o_kda_{path}", dtype)
+            arrays[fmt.result_key(f"o_kda_{path}", dtype)] = fmt.stored_result(o, f"o_kda_{path}", dtype)
             arrays[fmt.result_key(f"recurrent_state_{path}", dtype)] = state
         if intermediates:
             for name in fmt.INTERMEDIATE_KEYS:
-                arrays[fmt.result_key(name, dtype)] = _store(inter[name], name, dtype)
+                arrays[fmt.result_key(name, dtype)] = fmt.stored_result(inter[name], name, dtype)
         if truth:
             for name, value in layer_truth(config, weights, dtype, x, cu, init).items():
                 arrays[fmt.truth_key(name, dtype)] = value
