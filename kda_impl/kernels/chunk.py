@@ -91,8 +91,8 @@ def chunk_kda(
 ) -> FlaResult:
     """KDA over whole sequences, chunk by chunk (prefill).
 
-    fla's calling convention: the arguments of `entry.ARGS`, then the kernel's own options; it returns
-    `entry.RETURNS`.
+    fla's calling convention: the arguments and the result of `kda_impl.kernels.entry`, then the
+    kernel's own options.
 
     Args:
         chunk_size: tokens per chunk, a power of two (default `CHUNK_SIZE`).

@@ -1,11 +1,26 @@
 """The one wrapper of the KDA prefill kernels: fla's calling convention around a kernel on packed tokens.
 
 `chunk_kda` and `fused_recurrent_kda`, plain JAX and Pallas, are each written with fla's signature (the
-arguments in `ARGS`, then the kernel's own options; they return `RETURNS`) and call their kernel on the
-prepared packed batch (fp32, `[B * T, H, ...]`) through `fla_entry`, which does the rest once for all
-four: it checks the arguments, makes the zero initial states, and in one jitted program upcasts (and
-l2-normalises) the inputs, flattens the B rows into one packed batch, calls the kernel, and reshapes its
-output back to `[B, T, H, V]` in q's dtype.
+arguments below, then the kernel's own options) and call their kernel on the prepared packed batch
+(fp32, `[B * T, H, ...]`) through `fla_entry`, which does the rest once for all four: it checks the
+arguments, makes the zero initial states, and in one jitted program upcasts (and l2-normalises) the
+inputs, flattens the B rows into one packed batch, calls the kernel, and reshapes its output back to
+`[B, T, H, V]` in q's dtype.
+
+Args (of every entry point):
+    q: queries `[B, T, H, K]`.
+    k: keys `[B, T, H, K]`.
+    v: values `[B, T, H, V]`.
+    g: per-channel log decay (<= 0) `[B, T, H, K]`.
+    beta: write strengths `[B, T, H]`.
+    scale: query scale, default `K ** -0.5`.
+    initial_state: `[N, H, K, V]`, N = B, or the number of sequences with `cu_seqlens`.
+    output_final_state: return the final state of every sequence.
+    cu_seqlens: `i32[N + 1]` offsets of a packed batch (then B must be 1).
+    use_qk_l2norm_in_kernel: l2-normalise q and k (fp32) first.
+
+Returns:
+    `(o, final_state)`: o `[B, T, H, V]` in q's dtype, final_state `[N, H, K, V]` fp32 or None.
 """
 
 from __future__ import annotations
@@ -18,26 +33,13 @@ import jax.numpy as jnp
 from kda_impl.kernels.common import initial_or_zeros, prepare_inputs
 from kda_impl.kernels.validation import static_validate_inputs
 
-ARGS = """\
-    q: queries `[B, T, H, K]`.
-    k: keys `[B, T, H, K]`.
-    v: values `[B, T, H, V]`.
-    g: per-channel log decay (<= 0) `[B, T, H, K]`.
-    beta: write strengths `[B, T, H]`.
-    scale: query scale, default `K ** -0.5`.
-    initial_state: `[N, H, K, V]`, N = B, or the number of sequences with `cu_seqlens`.
-    output_final_state: return the final state of every sequence.
-    cu_seqlens: `i32[N + 1]` offsets of a packed batch (then B must be 1).
-    use_qk_l2norm_in_kernel: l2-normalise q and k (fp32) first."""
-
-RETURNS = "`(o, final_state)`: o `[B, T, H, V]` in q's dtype, final_state `[N, H, K, V]` fp32 or None."
-
 FlaResult = tuple[jax.Array, jax.Array | None]
 
 
 def fla_entry(kernel: Callable, *, static: tuple[str, ...] = ()) -> Callable[..., FlaResult]:
     """`kernel` called in fla's convention (see the module docstring): the returned function takes q, k,
-    v, g, beta, the keyword arguments of `ARGS` and the kernel's options, and returns `RETURNS`.
+    v, g, beta, the keyword arguments of the module docstring and the kernel's options, and returns
+    `(o, final_state)`.
 
     `kernel(q, k, v, g, beta, init, cu_seqlens, *, scale, **options) -> (o, final)`: q, k, g `[B * T, H,
     K]`, v `[B * T, H, V]`, beta `[B * T, H]`, all fp32, q unscaled and l2-normalised if asked; init

@@ -76,8 +76,8 @@ def fused_recurrent_kda(
 ) -> FlaResult:
     """KDA as a token recurrence (decode and short prefill).
 
-    fla's calling convention: the arguments of `entry.ARGS`, then the kernel's own options; it returns
-    `entry.RETURNS`."""
+    fla's calling convention: the arguments and the result of `kda_impl.kernels.entry`, then the
+    kernel's own options."""
     return _FUSED_RECURRENT_KDA(**locals())  # every argument as written above
 
 

@@ -69,8 +69,8 @@ def fused_recurrent_kda(
 ) -> FlaResult:
     """KDA as a token recurrence (decode and short prefill), as one Pallas kernel.
 
-    fla's calling convention: the arguments of `entry.ARGS`, then the kernel's own options; it returns
-    `entry.RETURNS`.
+    fla's calling convention: the arguments and the result of `kda_impl.kernels.entry`, then the
+    kernel's own options.
 
     Args:
         interpret: run the kernel in interpret mode; default: unless the backend is TPU.
