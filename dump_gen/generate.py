@@ -5,7 +5,6 @@ the manifest. Non-finite weights or results are refused: a reference holding NaN
 
 from __future__ import annotations
 
-import datetime
 import importlib.metadata
 from collections import Counter
 from typing import Any
@@ -21,25 +20,21 @@ from dump_gen.precision import precision_block
 from dump_gen.references.base import LayerRunner, Reference
 from kda_spec.config import KDAConfig
 from kda_spec.dump_format import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
     FP32_IN_BF16_RUN,
     INTERMEDIATE_KEYS,
     KERNEL_KEYS,
     LONG_GROUP,
     LONG_RESULT_NAMES,
     OUTPUT_KEY,
-    PRECISION_BLOCK,
-    TRUTH_DTYPE,
     TRUTH_NAMES,
-    WEIGHTS_FILE,
     CaseSpec,
     decode_array,
     expected_shape,
     result_key,
     truth_key,
 )
-from kda_spec.storage import DumpWriter, npz_bytes
+from kda_spec.dump_writer import DumpSetWriter, TruthBlock
+from kda_spec.storage import DumpWriter
 from kda_spec.truth import (
     BLOCK_TOKENS,
     INTERMEDIATES_MAX_TOKENS,
@@ -184,15 +179,6 @@ def case_arrays(
     return arrays, paths_by_dtype["fp32"]
 
 
-def case_group_fields(case: CaseSpec) -> dict[str, Any]:
-    """The manifest fields of a case in a group: its `group` and, where it has them, its `decode_steps`
-    (none for the standard and extra cases, whose entries stay as before)."""
-    fields: dict[str, Any] = {} if case.group is None else {"group": case.group}
-    if case.decode_steps:
-        fields["decode_steps"] = case.decode_steps
-    return fields
-
-
 def main_path(case: CaseSpec, paths: list[str]) -> str:
     """The kernel the layer used for most of the case's tokens."""
     tokens: Counter[str] = Counter()
@@ -218,12 +204,12 @@ def generate(
     `writer` as a context manager, so that whatever stops the run (an error, Ctrl-C) undoes what it wrote."""
     for name, array in weights.items():
         check_finite(array, f"weight {name!r} ({weights_source})")
-    weights_sha = writer.write(WEIGHTS_FILE, npz_bytes(weights))
+    dump_set = DumpSetWriter(writer)
+    dump_set.write_weights(weights, weights_source)
     kernels = kernel_backend(device)
     runners = {dtype: reference.build(weights, torch_dtype) for dtype, torch_dtype in RUN_DTYPES.items()}
     truth_weights = {dtype: run_weights(weights, dtype) for dtype in RUN_DTYPES}
     stored_truth: set[str] = set()
-    entries = []
     bar = tqdm(cases, desc="dump", unit="case", disable=not progress)
     for case in bar:
         bar.set_postfix_str(case.case_id)
@@ -232,36 +218,18 @@ def generate(
         names = truth_names(case, truth_intermediates_max_tokens)
         arrays.update(truth_arrays(case, inputs, truth_weights, config, names))
         stored_truth.update(names)
-        entries.append(
-            {
-                "id": case.case_id,
-                "file": case.file,
-                "sha256": writer.write(case.file, npz_bytes(arrays)),
-                "seq_lens": list(case.seq_lens),
-                "initial_state": case.initial_state,
-                "layer_kernel_path": main_path(case, paths),
-                "layer_kernel_path_per_seq": paths,
-                **case_group_fields(case),
-                "keys": list(arrays),
-            }
+        dump_set.write_case(
+            case, arrays, layer_kernel_path=main_path(case, paths), layer_kernel_path_per_seq=paths
         )
-    manifest = {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "config": config.to_manifest(),
-        "reference": {"name": reference.name, **reference.describe(), "kernel_keys": kernels.name},
-        PRECISION_BLOCK: precision_block(device),  # read back after the runs: what they ran with
-        "seed": seed,
-        "weights": {"file": WEIGHTS_FILE, "sha256": weights_sha, "source": weights_source},
-        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "generator": generator_name(),
-        "truth": {
-            "dtype": TRUTH_DTYPE,
-            "implementation": TRUTH_IMPLEMENTATION,
-            "names": [name for name in TRUTH_NAMES if name in stored_truth],
-            "intermediates_max_tokens": truth_intermediates_max_tokens,
-        },
-        "cases": entries,
-    }
-    writer.commit(manifest)
-    return manifest
+    return dump_set.commit(
+        config=config,
+        reference={"name": reference.name, **reference.describe(), "kernel_keys": kernels.name},
+        precision=precision_block(device),  # read back after the runs: what they ran with
+        seed=seed,
+        generator=generator_name(),
+        truth=TruthBlock(
+            implementation=TRUTH_IMPLEMENTATION,
+            names=tuple(name for name in TRUTH_NAMES if name in stored_truth),
+            intermediates_max_tokens=truth_intermediates_max_tokens,
+        ),
+    )

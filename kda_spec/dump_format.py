@@ -209,6 +209,14 @@ def float32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
     return (words >> 16).astype(np.uint16)
 
 
+def stored_result(array: np.ndarray, name: str, dtype: str) -> np.ndarray:
+    """Result `name` of the `dtype` run as a set stores it: raw bf16 bits in a bf16 run (values already
+    bf16-representable), float32 otherwise and for the keys that stay float32 (`FP32_IN_BF16_RUN`)."""
+    if dtype == "bf16" and name not in FP32_IN_BF16_RUN:
+        return float32_to_bf16_bits(array)
+    return np.asarray(array, np.float32)
+
+
 def decode_array(array: np.ndarray) -> np.ndarray:
     """A stored array as float32 (uint16 → bf16 bits decoded), ints untouched."""
     if array.dtype == np.uint16:

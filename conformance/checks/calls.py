@@ -31,12 +31,13 @@ from conformance.checks.catalogue import CheckSkipped
 from conformance.checks.truth import KERNEL_INPUTS
 from conformance.dumps.reader import CaseData, DumpSet
 from kda_spec import dump_format as fmt
+from kda_spec.truth import L2NORM_EPS
 
 
 def l2norm(x: np.ndarray) -> np.ndarray:
     """Per-head L2 normalisation in fp32, as the kernels expect q and k (kda-layer.md step 5)."""
     x = np.asarray(x, np.float32)
-    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + np.float32(1e-6))
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + np.float32(L2NORM_EPS))
 
 
 class ImplementationCalls:

@@ -16,9 +16,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from conformance.runtime.host_platform import PLATFORMS
 from conformance.runtime.matmul_precision import matmul_precision, matmul_precision_line
 
-REQUIRABLE_PLATFORMS = ("cpu", "tpu", "cuda")
+REQUIRABLE_PLATFORMS = PLATFORMS  # a gate can require any platform a host can be
 _INTERPRETED = re.compile(r"\(\s*interpret\s*,")
 _INTERPRET_WARNING = (
     "WARNING: Pallas ran in interpret mode on {where} ({dtypes}): this says nothing about Mosaic on a TPU"

@@ -8,13 +8,12 @@ an implementation by how much further from the truth it is than a plain fp32 rec
 inputs: the relative gate of docs/tolerance-policy.md, with this pipeline as its reference.
 
 The judge writes each case to an in-memory set (`memory://`) and reads it back through the suite's own
-reader; a reproducer is the same set on disk (`reproducer.py`). Writing goes through `kda_spec.storage`
-(numpy and fsspec only).
+reader; a reproducer is the same set on disk (`reproducer.py`). Writing goes through
+`kda_spec.dump_writer` onto `kda_spec.storage` (numpy and fsspec only).
 """
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,7 +22,8 @@ import numpy as np
 from conformance.search.space import CaseInputs
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig
-from kda_spec.storage import npz_bytes, open_writer
+from kda_spec.dump_writer import DumpSetWriter, TruthBlock
+from kda_spec.storage import open_writer
 from kda_spec.truth import (
     IMPLEMENTATION,
     bf16_contract_rounding,
@@ -46,13 +46,6 @@ REFERENCE = {
     "device": "cpu",
 }
 KERNEL_PATHS = ("chunk", "fused_recurrent")
-
-
-def _stored(array: np.ndarray, name: str, dtype: str) -> np.ndarray:
-    """A result as the format stores it: raw bf16 bits in a bf16 run (but for the fp32 keys)."""
-    if dtype == "bf16" and name not in fmt.FP32_IN_BF16_RUN:
-        return fmt.float32_to_bf16_bits(array)
-    return np.asarray(array, np.float32)
 
 
 def plain_pipeline(
@@ -88,12 +81,12 @@ def case_arrays(
     o, state = packed_delta_rule(q, k, reference["v_after_conv"], reference["g"], reference["beta"], cu, init)
     if dtype == "bf16":
         o = bf16_rounded(o)  # the kernel's output in the run dtype, as the reference kernel returns it
-    arrays[fmt.result_key("out", dtype)] = _stored(reference["out"], "out", dtype)
+    arrays[fmt.result_key("out", dtype)] = fmt.stored_result(reference["out"], "out", dtype)
     for path in KERNEL_PATHS:
-        arrays[fmt.result_key(f"o_kda_{path}", dtype)] = _stored(o, f"o_kda_{path}", dtype)
+        arrays[fmt.result_key(f"o_kda_{path}", dtype)] = fmt.stored_result(o, f"o_kda_{path}", dtype)
         arrays[fmt.result_key(f"recurrent_state_{path}", dtype)] = state
     for name in fmt.INTERMEDIATE_KEYS:
-        arrays[fmt.result_key(name, dtype)] = _stored(reference[name], name, dtype)
+        arrays[fmt.result_key(name, dtype)] = fmt.stored_result(reference[name], name, dtype)
     for name in fmt.TRUTH_NAMES:
         arrays[fmt.truth_key(name, dtype)] = np.asarray(truth[name], np.float64)
     return arrays
@@ -111,42 +104,21 @@ def write_case_set(
     search: Mapping[str, Any],
     overwrite: bool = False,
 ) -> None:
-    """A dump set of one case (`CASE_ID`) at `url` (a folder or `memory://…`), written through
-    `kda_spec.storage` (a local folder staged and swapped in whole). `search`: what the search says of
-    the case (its fields, the check it failed), kept in the manifest under `search`."""
+    """A dump set of one case (`CASE_ID`) at `url` (a folder or `memory://…`), written by
+    `kda_spec.dump_writer` through `kda_spec.storage` (a local folder staged and swapped in whole).
+    `search`: what the search says of the case (its fields, the check it failed), kept in the manifest
+    under `search`."""
+    case = fmt.CaseSpec(CASE_ID, seq_lens, initial_state="initial_recurrent_state" in arrays)
     with open_writer(url, overwrite=overwrite) as writer:
-        case_file = fmt.case_file(CASE_ID)
-        weights_bytes = npz_bytes({name: np.asarray(w, np.float32) for name, w in weights.items()})
-        manifest = {
-            "format": fmt.FORMAT_NAME,
-            "version": fmt.FORMAT_VERSION,
-            "config": config.to_manifest(),
-            "reference": REFERENCE,
-            "seed": seed,
-            "weights": {
-                "file": fmt.WEIGHTS_FILE,
-                "sha256": writer.write(fmt.WEIGHTS_FILE, weights_bytes),
-                "source": weights_source,
-            },
-            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "generator": "conformance.search",
-            "truth": {
-                "dtype": fmt.TRUTH_DTYPE,
-                "implementation": IMPLEMENTATION,
-                "names": list(fmt.TRUTH_NAMES),
-                "intermediates_max_tokens": sum(seq_lens),
-            },
-            "cases": [
-                {
-                    "id": CASE_ID,
-                    "file": case_file,
-                    "sha256": writer.write(case_file, npz_bytes(arrays)),
-                    "seq_lens": list(seq_lens),
-                    "initial_state": "initial_recurrent_state" in arrays,
-                    "layer_kernel_path": "chunk",
-                    "keys": sorted(arrays),
-                }
-            ],
-            "search": dict(search),
-        }
-        writer.commit(manifest)
+        dump_set = DumpSetWriter(writer)
+        float32_weights = {name: np.asarray(w, np.float32) for name, w in weights.items()}
+        dump_set.write_weights(float32_weights, weights_source)
+        dump_set.write_case(case, arrays, sorted_keys=True)
+        dump_set.commit(
+            config=config,
+            reference=REFERENCE,
+            seed=seed,
+            generator="conformance.search",
+            truth=TruthBlock(IMPLEMENTATION, fmt.TRUTH_NAMES, intermediates_max_tokens=sum(seq_lens)),
+            search=search,
+        )

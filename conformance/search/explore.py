@@ -10,9 +10,9 @@ the target check. A case is judged once (`memo`): hypothesis may ask again, and 
 change. Shrinking stops after `shrink_budget_s`: from then on a new case counts as passing, and the
 smallest failing case found so far is the result. Hypothesis's own cap on one shrink (five minutes,
 `engine.MAX_SHRINKING_SECONDS`, monkeypatchable by its documentation) is raised to `shrink_budget_s`
-while the search runs, so that `shrink_budget_s` bounds the shrink. Without that, the shrink of a slow
-implementation (sglang-jax's interpreted Pallas kernels compile each new shape: 26 cases in 423 s on a
-CPU) stopped at five minutes whatever the budget, and where it stopped depended on the machine's speed.
+while the search runs, so that `shrink_budget_s` bounds the shrink: under hypothesis's cap, the shrink of
+a slow implementation (sglang-jax's interpreted Pallas kernels compile each new shape: 26 cases in 423 s
+on a CPU) stops at five minutes whatever the budget, at a point that depends on the machine's speed.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from hypothesis import strategies as st
 
+from conformance.checks.sequences import chunked_prefill_pieces
 from kda_spec.config import KDAConfig
 
 # Sequence lengths cluster around multiples of this: kda_impl's chunk (32) and fla's (64) both divide it
@@ -137,9 +138,8 @@ def regimes(case: SearchCase) -> list[str]:
         labels.append("ends on a boundary")
     if offsets & {-2, -1, 1, 2}:
         labels.append("ends 1-2 from a boundary")
-    parts = min(3, min(case.seq_lens))
-    splits = [round(n * j / parts) for n in case.seq_lens for j in range(1, parts)]
-    if any(s % BOUNDARY == 0 for s in splits):
+    later_calls = chunked_prefill_pieces(case.seq_lens)[1:]
+    if any(start % BOUNDARY == 0 for call in later_calls for start, _ in call):
         labels.append("prefill split on a boundary")
     labels += [f"init:{case.init}", f"scale:1e{case.scale_exp:+d}", f"gate:{case.gate}", f"beta:{case.beta}"]
     return labels

@@ -5,7 +5,7 @@ Each defect is injected into the built-in implementation (`conformance.adapters.
 the suite's checks run in-process on a few cases that exercise it. A defect is *caught* under a policy
 when at least one of those checks fails under it: `default`, the policy file as it is (the relative gate
 where it decides), and `absolute`, the same file with every check judged by its absolute limits alone
-(today's gate: the RFC's 1e-5 in fp32, the measured 1e-2 + nRMSE gate in bf16).
+(the RFC's 1e-5 in fp32, the measured 1e-2 + nRMSE gate in bf16).
 
 An ε-defect is searched on the decade grid 1e-7 … 1e-1 (upwards, until both policies catch it; a defect
 caught at ε is taken to be caught at every larger ε), then bisected `BISECT_STEPS` times in log space

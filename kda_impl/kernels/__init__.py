@@ -25,12 +25,11 @@ from types import ModuleType
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kda_impl.kernels import naive
 from kda_impl.kernels.common import kda_gate
-from kda_impl.kernels.validation import validate_float_inputs
+from kda_impl.kernels.validation import validate_float_inputs, validate_gate_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -243,15 +242,9 @@ def chunk_kda(
         return module.chunk_kda(q, k, v, g, beta, **gate, **kwargs)
     if use_gate_in_kernel:
         validate_float_inputs(g=g)  # as the Pallas kernel does, before the gate upcasts it
-        heads, key_dim = g.shape[2], g.shape[3]
-        if A_log is None or jnp.shape(A_log) != (heads,):
-            raise ValueError(
-                f"use_gate_in_kernel=True needs A_log of shape [H]=({heads},), got {A_log!r:.80}"
-            )
-        bias = jnp.zeros((heads, key_dim)) if dt_bias is None else jnp.reshape(dt_bias, (heads, key_dim))
-        g = kda_gate(g, jnp.asarray(A_log)[:, None], bias)
-    elif A_log is not None or dt_bias is not None:
-        raise ValueError("A_log / dt_bias are only used with use_gate_in_kernel=True")
+    params = validate_gate_inputs(use_gate_in_kernel, A_log, dt_bias, g)
+    if params is not None:
+        g = kda_gate(g, params[0][:, None], params[1])
     return naive.chunk_kda(q, k, v, g, beta, **kwargs)
 
 

@@ -46,15 +46,14 @@ import jax
 import jax.numpy as jnp
 
 from kda_impl.kernels.common import HIGHEST, chunk_layout, finite_log_decay, sequence_offsets
-from kda_impl.kernels.entry import kda_entry_point
+from kda_impl.kernels.entry import FlaResult, fla_entry
 
 # Tokens per chunk: the in-chunk work grows as C^2 per chunk while the state products cost the same per
 # token for any C; on XLA:CPU 32 is the fastest (see CHANGELOG.md), fla uses 64.
 CHUNK_SIZE = 32
 
 
-@kda_entry_point(static=("chunk_size",))
-def chunk_kda(
+def _packed_chunk_kda(
     q: jax.Array,  # [T, H, K] packed, fp32
     k: jax.Array,  # [T, H, K]
     v: jax.Array,  # [T, H, V]
@@ -64,17 +63,41 @@ def chunk_kda(
     cu_seqlens: jax.Array | None,  # i32[N + 1], or None: N rows of equal length
     *,
     scale: float,
-    chunk_size: int = CHUNK_SIZE,
+    chunk_size: int,
 ) -> tuple[jax.Array, jax.Array]:
-    """KDA over whole sequences, chunk by chunk (prefill).
-
-    Args:
-        chunk_size: tokens per chunk, a power of two (default `CHUNK_SIZE`).
-    """
+    """The kernel of `chunk_kda` on the packed batch (`entry.fla_entry`)."""
     if chunk_size <= 0 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
     cu_seqlens = sequence_offsets(cu_seqlens, init.shape[0], q.shape[0])
     return _chunk_packed(q, k, v, finite_log_decay(g), beta, init, cu_seqlens, scale, chunk_size)
+
+
+_CHUNK_KDA = fla_entry(_packed_chunk_kda, static=("chunk_size",))
+
+
+def chunk_kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: jax.Array | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    chunk_size: int = CHUNK_SIZE,
+) -> FlaResult:
+    """KDA over whole sequences, chunk by chunk (prefill).
+
+    fla's calling convention: the arguments and the result of `kda_impl.kernels.entry`, then the
+    kernel's own options.
+
+    Args:
+        chunk_size: tokens per chunk, a power of two (default `CHUNK_SIZE`).
+    """
+    return _CHUNK_KDA(**locals())  # every argument as written above
 
 
 def _chunk_packed(

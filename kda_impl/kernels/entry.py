@@ -1,26 +1,13 @@
 """The one wrapper of the KDA prefill kernels: fla's calling convention around a kernel on packed tokens.
 
-`chunk_kda` and `fused_recurrent_kda`, plain JAX and Pallas, are each a kernel on the prepared packed
-batch (fp32, `[B * T, H, ...]`) under `@kda_entry_point`, which does the rest once for all four: it
-checks the arguments, makes the zero initial states, and in one jitted program upcasts (and
-l2-normalises) the inputs, flattens the B rows into one packed batch, calls the kernel, and reshapes
-its output back to `[B, T, H, V]` in q's dtype. The entry point's docstring is the kernel's
-description, the arguments every entry point takes (`ARGS`, documented here once), the kernel's own
-options and `RETURNS`.
-"""
+`chunk_kda` and `fused_recurrent_kda`, plain JAX and Pallas, are each written with fla's signature (the
+arguments below, then the kernel's own options) and call their kernel on the prepared packed batch
+(fp32, `[B * T, H, ...]`) through `fla_entry`, which does the rest once for all four: it checks the
+arguments, makes the zero initial states, and in one jitted program upcasts (and l2-normalises) the
+inputs, flattens the B rows into one packed batch, calls the kernel, and reshapes its output back to
+`[B, T, H, V]` in q's dtype.
 
-from __future__ import annotations
-
-import inspect
-from collections.abc import Callable
-
-import jax
-import jax.numpy as jnp
-
-from kda_impl.kernels.common import initial_or_zeros, prepare_inputs
-from kda_impl.kernels.validation import static_validate_inputs
-
-ARGS = """\
+Args (of every entry point):
     q: queries `[B, T, H, K]`.
     k: keys `[B, T, H, K]`.
     v: values `[B, T, H, V]`.
@@ -30,109 +17,82 @@ ARGS = """\
     initial_state: `[N, H, K, V]`, N = B, or the number of sequences with `cu_seqlens`.
     output_final_state: return the final state of every sequence.
     cu_seqlens: `i32[N + 1]` offsets of a packed batch (then B must be 1).
-    use_qk_l2norm_in_kernel: l2-normalise q and k (fp32) first."""
+    use_qk_l2norm_in_kernel: l2-normalise q and k (fp32) first.
 
-RETURNS = "`(o, final_state)`: o `[B, T, H, V]` in q's dtype, final_state `[N, H, K, V]` fp32 or None."
+Returns:
+    `(o, final_state)`: o `[B, T, H, V]` in q's dtype, final_state `[N, H, K, V]` fp32 or None.
+"""
 
-# The parameters of every entry point; the kernel's keyword options follow them.
-_INPUTS = ("q", "k", "v", "g", "beta")
-_SHARED = (
-    *(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in _INPUTS),
-    *(
-        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
-        for name, default in (
-            ("scale", None),
-            ("initial_state", None),
-            ("output_final_state", False),
-            ("cu_seqlens", None),
-            ("use_qk_l2norm_in_kernel", False),
-        )
-    ),
-)
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from kda_impl.kernels.common import initial_or_zeros, prepare_inputs
+from kda_impl.kernels.validation import static_validate_inputs
+
+FlaResult = tuple[jax.Array, jax.Array | None]
 
 
-def kda_entry_point(*, static: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
-    """Make `kernel` a KDA entry point in fla's calling convention (see the module docstring).
+def fla_entry(kernel: Callable, *, static: tuple[str, ...] = ()) -> Callable[..., FlaResult]:
+    """`kernel` called in fla's convention (see the module docstring): the returned function takes q, k,
+    v, g, beta, the keyword arguments of the module docstring and the kernel's options, and returns
+    `(o, final_state)`.
 
     `kernel(q, k, v, g, beta, init, cu_seqlens, *, scale, **options) -> (o, final)`: q, k, g `[B * T, H,
     K]`, v `[B * T, H, V]`, beta `[B * T, H]`, all fp32, q unscaled and l2-normalised if asked; init
     `[N, H, K, V]` fp32; cu_seqlens `i32[N + 1]`, or None for a batch of B = N rows of equal length;
     `scale` the resolved float. It returns o `[B * T, H, V]` and the final states `[N, H, K, V]`, and
-    runs traced, inside the entry point's jit: `static` names its options that are compile-time
-    values (the others are arrays, or None). Its docstring, a description then `Args:` lines for its
-    options, goes into the entry point's.
+    runs traced, inside the jit: `static` names its options that are compile-time values (the others
+    are arrays, or None).
     """
 
-    def decorate(kernel: Callable) -> Callable:
-        def run(q, k, v, g, beta, init, cu_seqlens, arrays, *, scale, use_qk_l2norm_in_kernel, options):
-            batch, tokens = q.shape[:2]
-            out_dtype = q.dtype
-            q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-            packed = [x.reshape(batch * tokens, *x.shape[2:]) for x in (q, k, v, g, beta)]
-            o, final = kernel(*packed, init, cu_seqlens, scale=scale, **arrays, **dict(options))
-            return o.reshape(batch, tokens, *o.shape[1:]).astype(out_dtype), final
+    def run(q, k, v, g, beta, init, cu_seqlens, arrays, *, scale, use_qk_l2norm_in_kernel, options):
+        batch, tokens = q.shape[:2]
+        out_dtype = q.dtype
+        q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+        packed = [x.reshape(batch * tokens, *x.shape[2:]) for x in (q, k, v, g, beta)]
+        o, final = kernel(*packed, init, cu_seqlens, scale=scale, **arrays, **dict(options))
+        return o.reshape(batch, tokens, *o.shape[1:]).astype(out_dtype), final
 
-        jitted = jax.jit(run, static_argnames=("scale", "use_qk_l2norm_in_kernel", "options"))
+    jitted = jax.jit(run, static_argnames=("scale", "use_qk_l2norm_in_kernel", "options"))
 
-        def entry(
+    def entry(
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        g: jax.Array,
+        beta: jax.Array,
+        *,
+        scale: float | None,
+        initial_state: jax.Array | None,
+        output_final_state: bool,
+        cu_seqlens: jax.Array | None,
+        use_qk_l2norm_in_kernel: bool,
+        **options: object,
+    ) -> FlaResult:
+        shapes = static_validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+        # The zeros are made here, not under jit: calls with and without initial states share a program.
+        init = initial_or_zeros(initial_state, shapes.state_shape)
+        if cu_seqlens is not None:
+            cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
+        arrays = {name: value for name, value in options.items() if name not in static}
+        compile_time = tuple(sorted((name, value) for name, value in options.items() if name in static))
+        o, final = jitted(
             q,
             k,
             v,
             g,
             beta,
-            *,
-            scale=None,
-            initial_state=None,
-            output_final_state=False,
-            cu_seqlens=None,
-            use_qk_l2norm_in_kernel=False,
-            **options,
-        ):
-            shapes = static_validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-            # The zeros are made here, not under jit: calls with and without initial states share a program.
-            init = initial_or_zeros(initial_state, shapes.state_shape)
-            if cu_seqlens is not None:
-                cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
-            arrays = {name: value for name, value in options.items() if name not in static}
-            compile_time = tuple(sorted((name, value) for name, value in options.items() if name in static))
-            o, final = jitted(
-                q,
-                k,
-                v,
-                g,
-                beta,
-                init,
-                cu_seqlens,
-                arrays,
-                scale=scale,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                options=compile_time,
-            )
-            return o, (final if output_final_state else None)
+            init,
+            cu_seqlens,
+            arrays,
+            scale=scale,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            options=compile_time,
+        )
+        return o, (final if output_final_state else None)
 
-        for attribute in ("__module__", "__name__", "__qualname__"):
-            setattr(entry, attribute, getattr(kernel, attribute))
-        entry.__signature__ = _signature(kernel)
-        entry.__doc__ = _docstring(kernel)
-        return entry
-
-    return decorate
-
-
-def _signature(kernel: Callable) -> inspect.Signature:
-    """The entry point's signature: `_SHARED`, then the kernel's options (its keyword-only parameters
-    but `scale`)."""
-    options = [
-        parameter
-        for parameter in inspect.signature(kernel).parameters.values()
-        if parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.name != "scale"
-    ]
-    return inspect.Signature([*_SHARED, *options])
-
-
-def _docstring(kernel: Callable) -> str:
-    """The kernel's docstring with `ARGS` before its own `Args:` lines (its options) and `RETURNS` after."""
-    text = inspect.cleandoc(kernel.__doc__ or "")
-    description, _, own_args = text.partition("\nArgs:\n")
-    options = "".join(f"\n{line}" for line in own_args.splitlines() if line.strip())
-    return f"{description.rstrip()}\n\nArgs:\n{ARGS}{options}\n\nReturns:\n    {RETURNS}\n"
+    return entry

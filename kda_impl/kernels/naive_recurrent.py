@@ -10,7 +10,7 @@ inputs upcast to fp32 once, and the loop body (`recurrent_step`) is the recurren
 
 The chunk form's readable reference (`naive_chunk.py`) and the Pallas recurrent kernel are tested against
 it (tests/kda_impl/test_kernels.py, test_pallas_kernels.py). g = -inf is a full reset (exp(g) = 0).
-`@kda_entry_point` (`entry.py`) gives it fla's calling convention.
+`entry.fla_entry` (`entry.py`) gives it fla's calling convention.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from kda_impl.kernels.common import HIGHEST, sequence_ids
-from kda_impl.kernels.entry import kda_entry_point
+from kda_impl.kernels.entry import FlaResult, fla_entry
 
 
 def recurrent_step(
@@ -39,8 +39,7 @@ def recurrent_step(
     return state, o
 
 
-@kda_entry_point()
-def fused_recurrent_kda(
+def _packed_fused_recurrent_kda(
     q: jax.Array,  # [T, H, K] packed, fp32
     k: jax.Array,  # [T, H, K]
     v: jax.Array,  # [T, H, V]
@@ -51,12 +50,35 @@ def fused_recurrent_kda(
     *,
     scale: float,
 ) -> tuple[jax.Array, jax.Array]:
-    """KDA as a token recurrence (decode and short prefill)."""
+    """The kernel of `fused_recurrent_kda` on the packed batch (`entry.fla_entry`)."""
     if cu_seqlens is None:  # N rows of equal length, one sequence each: stepped together
         rows = [x.reshape(init.shape[0], -1, *x.shape[1:]) for x in (q * scale, k, v, g, beta)]
         o, final = _scan_equal_lengths(*rows, init)
         return o.reshape(-1, *o.shape[2:]), final
     return _scan_packed(q * scale, k, v, g, beta, init, cu_seqlens)
+
+
+_FUSED_RECURRENT_KDA = fla_entry(_packed_fused_recurrent_kda)
+
+
+def fused_recurrent_kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: jax.Array | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> FlaResult:
+    """KDA as a token recurrence (decode and short prefill).
+
+    fla's calling convention: the arguments and the result of `kda_impl.kernels.entry`, then the
+    kernel's own options."""
+    return _FUSED_RECURRENT_KDA(**locals())  # every argument as written above
 
 
 def _scan_equal_lengths(

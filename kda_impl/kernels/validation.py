@@ -101,3 +101,27 @@ def dynamic_validate_cu_seqlens(cu_seqlens: jax.Array | np.ndarray, total_tokens
         raise ValueError(
             f"cu_seqlens must end at the token count T={total_tokens}, got cu_seqlens[-1]={offsets[-1]}"
         )
+
+
+def validate_gate_inputs(
+    use_gate_in_kernel: bool,
+    a_log: jax.Array | None,  # [H]
+    dt_bias: jax.Array | None,  # [H, K] or [H * K]
+    g: jax.Array,  # [..., H, K] the raw gate
+) -> tuple[jax.Array, jax.Array] | None:
+    """The in-kernel gate's parameters as fp32 `([H], [H, K])` (dt_bias zeros when None), or None without
+    the option; a ValueError names a missing, misshapen or unwanted one."""
+    if not use_gate_in_kernel:
+        if a_log is not None or dt_bias is not None:
+            raise ValueError("A_log / dt_bias are only used with use_gate_in_kernel=True")
+        return None
+    heads, key_dim = jnp.shape(g)[-2:]
+    if a_log is None:
+        raise ValueError(f"use_gate_in_kernel=True needs A_log of shape [H]=({heads},), got None")
+    if jnp.shape(a_log) != (heads,):
+        raise ValueError(f"A_log.shape={jnp.shape(a_log)} must be [H]=({heads},)")
+    if dt_bias is None:
+        dt_bias = jnp.zeros((heads, key_dim), jnp.float32)
+    if jnp.shape(dt_bias) not in ((heads, key_dim), (heads * key_dim,)):
+        raise ValueError(f"dt_bias.shape={jnp.shape(dt_bias)} must be [H, K]={(heads, key_dim)} or [H * K]")
+    return jnp.asarray(a_log, jnp.float32), jnp.asarray(dt_bias, jnp.float32).reshape(heads, key_dim)

@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from conformance.adapter import KDAAdapter, LayerResult
+from kda_spec.truth import L2NORM_EPS
 
 
 def round_bf16(x: np.ndarray) -> np.ndarray:
@@ -24,7 +25,7 @@ def round_bf16(x: np.ndarray) -> np.ndarray:
 def l2norm(x: np.ndarray) -> np.ndarray:
     """Per-head L2 normalisation over the last axis, in fp32 (kda-layer.md step 5)."""
     x = x.astype(np.float32)
-    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
 def recurrent_kda(

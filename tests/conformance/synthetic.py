@@ -3,17 +3,18 @@ optionally with the float64 truth of every result (tests/conformance/truth_layer
 
 from __future__ import annotations
 
-import io
-import json
 from pathlib import Path
 
 import numpy as np
 
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig
+from kda_spec.dump_writer import DumpSetWriter, TruthBlock
+from kda_spec.storage import open_writer
 from tests.conformance.numpy_adapter import NumpyAdapter, l2norm
 from tests.conformance.truth_layer import layer_truth
 
+TRUTH_IMPLEMENTATION = "tests.conformance.truth_layer: the layer in float64 numpy"
 TINY = KDAConfig(hidden_size=32, num_heads=2, head_dim=8, conv_size=4, rms_norm_eps=1e-5, preset="tiny")
 
 
@@ -32,12 +33,6 @@ def tiny_weights(config: KDAConfig, seed: int = 0) -> dict[str, np.ndarray]:
         else:
             weights[name] = rng.normal(0, shape[-1] ** -0.5, shape)
     return {name: np.asarray(w, np.float32) for name, w in weights.items()}
-
-
-def _store(array: np.ndarray, name: str, dtype: str) -> np.ndarray:
-    if dtype == "bf16" and name not in fmt.FP32_IN_BF16_RUN:
-        return fmt.float32_to_bf16_bits(array)
-    return np.asarray(array, np.float32)
 
 
 def case_arrays(
@@ -61,7 +56,7 @@ def case_arrays(
     for dtype in dtypes:
         adapter = NumpyAdapter(config, weights, dtype)
         result = adapter.layer_extend(x, cu, init)
-        arrays[fmt.result_key("out", dtype)] = _store(result.out, "out", dtype)
+        arrays[fmt.result_key("out", dtype)] = fmt.stored_result(result.out, "out", dtype)
         inter = result.intermediates
         kernel_inputs = (
             l2norm(inter["q_after_conv"]),
@@ -74,11 +69,11 @@ def case_arrays(
         )
         for path in ("chunk", "fused_recurrent"):
             o, state = adapter.chunk_kernel(*kernel_inputs)
-            arrays[fmt.result_key(f"o_kda_{path}", dtype)] = _store(o, f"o_kda_{path}", dtype)
+            arrays[fmt.result_key(f"o_kda_{path}", dtype)] = fmt.stored_result(o, f"o_kda_{path}", dtype)
             arrays[fmt.result_key(f"recurrent_state_{path}", dtype)] = state
         if intermediates:
             for name in fmt.INTERMEDIATE_KEYS:
-                arrays[fmt.result_key(name, dtype)] = _store(inter[name], name, dtype)
+                arrays[fmt.result_key(name, dtype)] = fmt.stored_result(inter[name], name, dtype)
         if truth:
             for name, value in layer_truth(config, weights, dtype, x, cu, init).items():
                 arrays[fmt.truth_key(name, dtype)] = value
@@ -100,45 +95,22 @@ def write_dump_set(
     computed by the numpy reference, the hidden states normal with `hidden_std`; with `truth`, the float64
     truth of the output, final states and intermediates of every run too."""
     root = Path(root)
-    (root / fmt.CASES_DIR).mkdir(parents=True, exist_ok=True)
     weights = tiny_weights(config, seed)
-    manifest_cases = []
     rng = np.random.default_rng(seed)
-    for spec in _specs(cases):
-        arrays = case_arrays(spec, config, weights, rng, dtypes, intermediates, truth, hidden_std)
-        manifest_cases.append(
-            {
-                "id": spec.case_id,
-                "file": spec.file,
-                "sha256": _write_npz(root / spec.file, arrays),
-                "seq_lens": list(spec.seq_lens),
-                "initial_state": spec.initial_state,
-                "layer_kernel_path": "chunk",
-                "keys": sorted(arrays),
-            }
+    with open_writer(str(root), overwrite=True) as writer:
+        dump_set = DumpSetWriter(writer)
+        dump_set.write_weights(weights, "synthetic")
+        for spec in _specs(cases):
+            arrays = case_arrays(spec, config, weights, rng, dtypes, intermediates, truth, hidden_std)
+            dump_set.write_case(spec, arrays, sorted_keys=True)
+        dump_set.commit(
+            config=config,
+            reference={"name": "numpy-reference", "versions": {"numpy": np.__version__}, "device": "cpu"},
+            seed=seed,
+            generator="tests.conformance.synthetic",
+            truth=TruthBlock(TRUTH_IMPLEMENTATION, fmt.TRUTH_NAMES) if truth else None,
+            created="2026-11-30T00:00:00Z",
         )
-    manifest = {
-        "format": fmt.FORMAT_NAME,
-        "version": fmt.FORMAT_VERSION,
-        "config": config.to_manifest(),
-        "reference": {"name": "numpy-reference", "versions": {"numpy": np.__version__}, "device": "cpu"},
-        "seed": seed,
-        "weights": {
-            "file": fmt.WEIGHTS_FILE,
-            "sha256": _write_npz(root / fmt.WEIGHTS_FILE, weights),
-            "source": "synthetic",
-        },
-        "created": "2026-11-30T00:00:00Z",
-        "generator": "tests.conformance.synthetic",
-        "cases": manifest_cases,
-    }
-    if truth:
-        manifest["truth"] = {
-            "dtype": "float64",
-            "implementation": "tests.conformance.truth_layer: the layer in float64 numpy",
-            "names": list(fmt.TRUTH_NAMES),
-        }
-    (root / fmt.MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
     return root
 
 
@@ -148,10 +120,3 @@ def _specs(cases: tuple[str | fmt.CaseSpec, ...]) -> list[fmt.CaseSpec]:
     for case in cases:
         specs.extend([case] if isinstance(case, fmt.CaseSpec) else fmt.select_cases([case]))
     return specs
-
-
-def _write_npz(path: Path, arrays: dict[str, np.ndarray]) -> str:
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    path.write_bytes(buffer.getvalue())
-    return fmt.sha256_bytes(buffer.getvalue())

@@ -9,6 +9,7 @@ from dump_gen import generate
 from dump_gen.inputs import case_inputs
 from kda_spec import dump_format as fmt
 from kda_spec.config import get_preset
+from kda_spec.dump_writer import case_group_fields
 from kda_spec.synthetic_weights import synthetic_weights
 from kda_spec.truth import bf16_contract_rounding, bf16_rounded, layer_output_truth, layer_truth, run_weights
 
@@ -31,9 +32,9 @@ def test_long_cases_store_the_output_and_states_only() -> None:
     stored = ("out", "recurrent_state_chunk", "recurrent_state_fused_recurrent")
     assert generate.result_names(long_case) == stored
     assert generate.result_names(standard) == generate.RESULT_ORDER
-    assert generate.case_group_fields(long_case) == {"group": "long", "decode_steps": 512}
-    assert generate.case_group_fields(fmt.CASES_BY_ID["long_T16384"]) == {"group": "long"}
-    assert generate.case_group_fields(standard) == {}
+    assert case_group_fields(long_case) == {"group": "long", "decode_steps": 512}
+    assert case_group_fields(fmt.CASES_BY_ID["long_T16384"]) == {"group": "long"}
+    assert case_group_fields(standard) == {}
 
 
 @pytest.mark.parametrize("block_tokens", [1, 5, 64, 4096])

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kda_impl.kernels.common import finite_log_decay, kda_gate, sequence_offsets
-from kda_impl.kernels.entry import kda_entry_point
+from kda_impl.kernels.entry import FlaResult, fla_entry
 from kda_impl.kernels.pallas.common import (
     chunk_schedule,
     dot,
@@ -39,10 +39,10 @@ from kda_impl.kernels.pallas.common import (
     to_chunks,
 )
 from kda_impl.kernels.pallas.tuning import CHUNK_SIZE, SUB_BLOCK
+from kda_impl.kernels.validation import validate_gate_inputs
 
 
-@kda_entry_point(static=("chunk_size", "use_gate_in_kernel", "interpret"))
-def chunk_kda(
+def _packed_chunk_kda(
     q: jax.Array,  # [T, H, K] packed, fp32
     k: jax.Array,  # [T, H, K]
     v: jax.Array,  # [T, H, V]
@@ -52,26 +52,18 @@ def chunk_kda(
     cu_seqlens: jax.Array | None,  # i32[N + 1], or None: N rows of equal length
     *,
     scale: float,
-    chunk_size: int = CHUNK_SIZE,
-    use_gate_in_kernel: bool = False,
-    A_log: jax.Array | None = None,  # fla's name
-    dt_bias: jax.Array | None = None,
-    interpret: bool | None = None,
+    chunk_size: int,
+    use_gate_in_kernel: bool,
+    A_log: jax.Array | None,  # fla's name
+    dt_bias: jax.Array | None,
+    interpret: bool | None,
 ) -> tuple[jax.Array, jax.Array]:
-    """KDA over whole sequences, chunk by chunk (prefill), as one Pallas kernel.
-
-    Args:
-        chunk_size: tokens per chunk, a positive multiple of 16.
-        use_gate_in_kernel: g is the raw gate; the kernel computes the decay
-            `-exp(A_log[h]) * softplus(g + dt_bias[h])`.
-        A_log: `[H]`, with `use_gate_in_kernel` only.
-        dt_bias: `[H, K]` or fla's flat `[H * K]`, optional, with `use_gate_in_kernel` only.
-        interpret: run the kernel in interpret mode; default: unless the backend is TPU.
-    """
+    """The kernel of `chunk_kda` on the packed batch (`entry.fla_entry`)."""
     if chunk_size % SUB_BLOCK or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive multiple of {SUB_BLOCK}, got {chunk_size}")
     heads, key_dim = q.shape[1:]
-    gate = validate_gate_inputs(use_gate_in_kernel, A_log, dt_bias, heads, key_dim)
+    params = validate_gate_inputs(use_gate_in_kernel, A_log, dt_bias, g)
+    gate = None if params is None else (params[0].reshape(heads, 1, 1), params[1].reshape(heads, 1, key_dim))
     return _chunk_packed(
         q * scale,
         k,
@@ -86,30 +78,41 @@ def chunk_kda(
     )
 
 
-def validate_gate_inputs(
-    use_gate_in_kernel: bool,
-    a_log: jax.Array | None,  # [H]
-    dt_bias: jax.Array | None,  # [H, K] or [H * K]
-    heads: int,
-    key_dim: int,
-) -> tuple[jax.Array, jax.Array] | None:
-    """The in-kernel gate's parameters as fp32 `([H, 1, 1], [H, 1, K])`, or None without the option."""
-    if not use_gate_in_kernel:
-        if a_log is not None or dt_bias is not None:
-            raise ValueError("A_log / dt_bias are only used with use_gate_in_kernel=True")
-        return None
-    if a_log is None:
-        raise ValueError("use_gate_in_kernel=True needs A_log [H]")
-    if a_log.shape != (heads,):
-        raise ValueError(f"A_log.shape={a_log.shape} must be [H]=({heads},)")
-    if dt_bias is None:
-        dt_bias = jnp.zeros((heads, key_dim), jnp.float32)
-    if dt_bias.shape not in ((heads, key_dim), (heads * key_dim,)):
-        raise ValueError(f"dt_bias.shape={dt_bias.shape} must be [H, K]={(heads, key_dim)} or [H * K]")
-    return (
-        jnp.asarray(a_log, jnp.float32).reshape(heads, 1, 1),
-        jnp.asarray(dt_bias, jnp.float32).reshape(heads, 1, key_dim),
-    )
+_CHUNK_KDA = fla_entry(_packed_chunk_kda, static=("chunk_size", "use_gate_in_kernel", "interpret"))
+
+
+def chunk_kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: jax.Array | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    chunk_size: int = CHUNK_SIZE,
+    use_gate_in_kernel: bool = False,
+    A_log: jax.Array | None = None,  # fla's name
+    dt_bias: jax.Array | None = None,
+    interpret: bool | None = None,
+) -> FlaResult:
+    """KDA over whole sequences, chunk by chunk (prefill), as one Pallas kernel.
+
+    fla's calling convention: the arguments and the result of `kda_impl.kernels.entry`, then the
+    kernel's own options.
+
+    Args:
+        chunk_size: tokens per chunk, a positive multiple of 16.
+        use_gate_in_kernel: g is the raw gate; the kernel computes the decay
+            `-exp(A_log[h]) * softplus(g + dt_bias[h])`.
+        A_log: `[H]`, with `use_gate_in_kernel` only.
+        dt_bias: `[H, K]` or fla's flat `[H * K]`, optional, with `use_gate_in_kernel` only.
+        interpret: run the kernel in interpret mode; default: unless the backend is TPU.
+    """
+    return _CHUNK_KDA(**locals())  # every argument as written above
 
 
 def _chunk_packed(

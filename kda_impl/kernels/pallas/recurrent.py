@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kda_impl.kernels.common import sequence_offsets
-from kda_impl.kernels.entry import kda_entry_point
+from kda_impl.kernels.entry import FlaResult, fla_entry
 from kda_impl.kernels.pallas.common import (
     COLUMNS,
     chunk_schedule,
@@ -32,8 +32,7 @@ from kda_impl.kernels.pallas.common import (
 from kda_impl.kernels.pallas.tuning import RECURRENT_TOKENS_PER_STEP
 
 
-@kda_entry_point(static=("interpret",))
-def fused_recurrent_kda(
+def _packed_fused_recurrent_kda(
     q: jax.Array,  # [T, H, K] packed, fp32
     k: jax.Array,  # [T, H, K]
     v: jax.Array,  # [T, H, V]
@@ -43,16 +42,40 @@ def fused_recurrent_kda(
     cu_seqlens: jax.Array | None,  # i32[N + 1], or None: N rows of equal length
     *,
     scale: float,
-    interpret: bool | None = None,
+    interpret: bool | None,
 ) -> tuple[jax.Array, jax.Array]:
+    """The kernel of `fused_recurrent_kda` on the packed batch (`entry.fla_entry`)."""
+    cu_seqlens = sequence_offsets(cu_seqlens, init.shape[0], q.shape[0])
+    interpret = resolve_interpret(interpret)
+    return _recurrent_packed(q * scale, k, v, g, beta, init, cu_seqlens, interpret=interpret)
+
+
+_FUSED_RECURRENT_KDA = fla_entry(_packed_fused_recurrent_kda, static=("interpret",))
+
+
+def fused_recurrent_kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: jax.Array | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    interpret: bool | None = None,
+) -> FlaResult:
     """KDA as a token recurrence (decode and short prefill), as one Pallas kernel.
+
+    fla's calling convention: the arguments and the result of `kda_impl.kernels.entry`, then the
+    kernel's own options.
 
     Args:
         interpret: run the kernel in interpret mode; default: unless the backend is TPU.
     """
-    cu_seqlens = sequence_offsets(cu_seqlens, init.shape[0], q.shape[0])
-    interpret = resolve_interpret(interpret)
-    return _recurrent_packed(q * scale, k, v, g, beta, init, cu_seqlens, interpret=interpret)
+    return _FUSED_RECURRENT_KDA(**locals())  # every argument as written above
 
 
 def _recurrent_packed(
