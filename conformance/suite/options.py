@@ -35,6 +35,7 @@ class SuiteOptions:
     tolerances: Path
     impl_options: dict[str, str] = dataclasses.field(default_factory=dict)  # `--impl-option KEY=VALUE`
     call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S  # 0: none
+    scenarios: Path | None = None  # `--scenarios FILE`: the serving scenarios in place of the fixed ones
 
 
 AddOption = Callable[..., Any]  # argparse's `add_argument`, or pytest's `addoption`
@@ -67,6 +68,11 @@ def add_selection_options(add: AddOption) -> None:
     """--dtypes, --cases: which of the dump set's runs and cases the suite checks."""
     add("--dtypes", default="fp32,bf16", help="comma-separated subset of fp32,bf16")
     add("--cases", nargs="+", metavar="ID", help="case ids (default: every case of the set)")
+    add(
+        "--scenarios",
+        metavar="FILE",
+        help="serving scenarios (JSON or TOML, docs/serving.md) to check in place of the fixed ones",
+    )
 
 
 def suite_options(
@@ -85,4 +91,5 @@ def suite_options(
         tolerances=Path(get("tolerances")),
         impl_options=parse_option_pairs(get("impl_options")) if impl_options is None else impl_options,
         call_timeout_s=checked_call_timeout(get("call_timeout")),
+        scenarios=Path(get("scenarios")) if get("scenarios") else None,
     )
