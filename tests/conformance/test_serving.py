@@ -24,6 +24,7 @@ from conformance.checks.serving_scenarios import (
 )
 from conformance.dumps.reader import DumpSet
 from conformance.judging.tolerances import TolerancePolicy
+from conformance.search.serving_search import ServingSearchOptions, run_serving_search
 from kda_impl.server_args import MIXED_CHUNK_EVIDENCE
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
@@ -109,3 +110,27 @@ def test_a_bad_scenario_is_one_line_naming_the_value(tmp_path, event, message):
     )
     with pytest.raises(ValueError, match=message):
         load_scenarios(path)
+
+
+def _search(tmp_path: Path, adapter_class: type[KDAAdapter], budget_s: float) -> tuple[int, dict]:
+    options = ServingSearchOptions(
+        impl=adapter_class.__name__, adapter_class=adapter_class, options={}, kernel="auto",
+        policy=TolerancePolicy.load(), dumps=str(GOLDEN), dtypes=("fp32",), budget_s=budget_s, seed=0,
+        out=tmp_path, max_tokens=16, shrink_budget_s=20.0,
+    )  # fmt: skip
+    code = run_serving_search(options)
+    return code, json.loads((tmp_path / "serving-search.json").read_text())
+
+
+def test_the_serving_search_finds_a_seeded_defect_and_writes_a_replayable_shrunk_schedule(tmp_path):
+    code, report = _search(tmp_path, serving_defects.OneTokenSegmentAsNew, budget_s=90.0)
+    assert code == 1 and report["found"], report
+    (found,) = load_scenarios(tmp_path / "scenarios.json")
+    assert len(found.request_tokens) <= 2 and len(found.forwards) <= 3, found  # shrunk
+    assert "--scenarios" in report["found"]["replay"]
+
+
+def test_the_serving_search_finds_nothing_on_kda_impl_within_a_short_budget(tmp_path):
+    code, report = _search(tmp_path, KDAImplAdapter, budget_s=10.0)
+    assert code == 0 and report["found"] is None and report["schedules_tried"] > 0, report
+    assert not (tmp_path / "scenarios.json").exists()
