@@ -112,18 +112,22 @@ def test_a_bad_scenario_is_one_line_naming_the_value(tmp_path, event, message):
         load_scenarios(path)
 
 
-def _search(tmp_path: Path, adapter_class: type[KDAAdapter], budget_s: float) -> tuple[int, dict]:
+def _search(
+    tmp_path: Path, adapter_class: type[KDAAdapter], budget_s: float, shrink_budget_s: float = 5.0
+) -> tuple[int, dict]:
     options = ServingSearchOptions(
         impl=adapter_class.__name__, adapter_class=adapter_class, options={}, kernel="auto",
         policy=TolerancePolicy.load(), dumps=str(GOLDEN), dtypes=("fp32",), budget_s=budget_s, seed=0,
-        out=tmp_path, max_tokens=16, shrink_budget_s=20.0,
+        out=tmp_path, max_tokens=16, shrink_budget_s=shrink_budget_s,
     )  # fmt: skip
     code = run_serving_search(options)
     return code, json.loads((tmp_path / "serving-search.json").read_text())
 
 
 def test_the_serving_search_finds_a_seeded_defect_and_writes_a_replayable_shrunk_schedule(tmp_path):
-    code, report = _search(tmp_path, serving_defects.OneTokenSegmentAsNew, budget_s=90.0)
+    code, report = _search(
+        tmp_path, serving_defects.OneTokenSegmentAsNew, budget_s=90.0, shrink_budget_s=60.0
+    )
     assert code == 1 and report["found"], report
     (found,) = load_scenarios(tmp_path / "scenarios.json")
     assert len(found.request_tokens) <= 2 and len(found.forwards) <= 3, found  # shrunk
