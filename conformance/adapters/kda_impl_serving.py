@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import numpy as np
 
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
@@ -98,7 +97,7 @@ class KDAImplServing:
         """(recurrent [H, D, D], conv [W-1, 3P]) of `slot`, float32."""
         if self._host is None:
             recurrent, conv = self.pool.get_linear_recurrent_layer_cache(self.layer_idx)
-            self._host = (np.asarray(recurrent), np.asarray(jax.numpy.asarray(conv, np.float32)))
+            self._host = (np.asarray(recurrent), np.asarray(conv).astype(np.float32))
         row = int(self.pool.rows([slot])[0])
         recurrent, conv = self._host
         return recurrent[row].astype(np.float32), conv[row].reshape(self.config.conv_size - 1, -1)

@@ -28,7 +28,7 @@ from conformance.checks.serving_run import HiddenStatistics, ServingRun, run_sce
 from conformance.checks.serving_scenarios import Scenario
 from conformance.dumps.reader import CaseData, CaseInfo
 from conformance.judging.comparison import Comparison, judge
-from conformance.judging.measurement import measure
+from conformance.judging.measurement import Measurement, measure
 from conformance.judging.tolerances import Tolerance
 
 SERVING_PREFIX = "serving-"
@@ -164,14 +164,25 @@ class ServingChecks:
             self._cases[scenario.name] = CaseData(info, {"hidden_states": x, "cu_seqlens": offsets(lens)})
         return self._cases[scenario.name]
 
-    def _measure(self, spec: CheckSpec, actual, expected, axes, case: CaseData):
+    def _measure(
+        self,
+        spec: CheckSpec,
+        actual: np.ndarray,  # [R, W-1, 3P]
+        expected: np.ndarray,  # [R, W-1, 3P]
+        axes: tuple[str, ...],
+        case: CaseData,
+    ) -> Measurement:
         policy = self.runner.policy
         tolerance = policy.tolerance(spec.check, spec.dtype)
         return measure(actual, expected, tolerance, policy.rfc[spec.dtype], axes, {}, case.info.seq_lens,
                        policy.min_tokens)  # fmt: skip
 
 
-def _bit_exact(actual: np.ndarray, expected: np.ndarray, what: str) -> Comparison:
+def _bit_exact(
+    actual: np.ndarray,  # [n] or [T, hidden]
+    expected: np.ndarray,  # the same shape
+    what: str,
+) -> Comparison:
     """`actual` against `expected`, every element equal (atol = rtol = 0)."""
     measured = measure(actual, expected, BIT_EXACT, BIT_EXACT)
     return judge(measured, "absolute", None, f"bit-exact against {what}: no float64 truth applies")

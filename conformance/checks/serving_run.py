@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -138,7 +138,7 @@ def run_scenario(
     return run
 
 
-def _states(read, names: list[str]) -> np.ndarray:
+def _states(read: Callable[[str], tuple[np.ndarray, np.ndarray]], names: list[str]) -> np.ndarray:
     """The recurrent and conv states of `names`' slots, flattened into one float32 vector."""
     parts = [array.ravel() for name in names for array in read(name)]
     return np.concatenate(parts) if parts else np.zeros(0, np.float32)
@@ -152,7 +152,7 @@ def _nothing(result: object, call: str) -> None:
     return None
 
 
-def _slot_checker(in_use: set[int]):
+def _slot_checker(in_use: set[int]) -> Callable[[object, str], int]:
     """A validator of `serving_alloc`'s result: an int naming a slot no live request holds."""
 
     def check(result: object, call: str) -> int:
