@@ -180,6 +180,48 @@ class KDAAdapter(abc.ABC):
         """The token-recurrent kernel, same arguments and results as `chunk_kernel`."""
         raise NotImplementedError(f"adapter {self.name!r} exposes no recurrent kernel")
 
+    # --- serving (optional; docs/serving.md): the implementation's own state pool, driven as a
+    # scheduler drives it. Without these methods the serving checks are skipped with the message.
+
+    def serving_open(self, num_slots: int) -> None:
+        """Open a fresh state pool of `num_slots` request slots (replacing any earlier one), all free."""
+        raise NotImplementedError(f"adapter {self.name!r} has no serving path (serving_open)")
+
+    def serving_alloc(self) -> int:
+        """A free slot of the pool for a new request: an int the other serving calls name it by. The
+        slot may hold a finished request's states: a request with prefix length 0 must not see them."""
+        raise NotImplementedError(f"adapter {self.name!r} has no serving path (serving_alloc)")
+
+    def serving_free(self, slot: int) -> None:
+        """Return `slot` (its request finished) to the pool's free slots."""
+        raise NotImplementedError(f"adapter {self.name!r} has no serving path (serving_free)")
+
+    def serving_forward(
+        self,
+        mode: str,
+        hidden_states: np.ndarray,
+        seq_lens: np.ndarray,
+        slots: np.ndarray,
+        prefix_lens: np.ndarray,
+        padding_rows: int,
+    ) -> np.ndarray:
+        """One forward of a scheduled batch of N requests, each continuing from its slot's states.
+
+        mode: "extend" (any token counts: prefills, their next chunks, running requests' next token)
+        or "decode" (one token each). hidden_states: [T, hidden] float32, the requests' tokens packed
+        in order, then `padding_rows` rows the scheduler added that belong to no request (decode: one
+        padding request per row); T = sum(seq_lens) + padding_rows. seq_lens, slots, prefix_lens: [N]
+        int64: each request's tokens in this forward, its slot, and the tokens it processed before
+        (0: a new request, which starts from zero states). Returns out [T, hidden] float32 (padding
+        rows: anything). A padding row must change no slot's state.
+        """
+        raise NotImplementedError(f"adapter {self.name!r} has no serving path (serving_forward)")
+
+    def serving_state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """The states `slot` holds now: (recurrent [H, K, V] float32, conv [W-1, 3P] float32: the
+        last W-1 inputs of the q | k | v short convs, in the run dtype's values)."""
+        raise NotImplementedError(f"adapter {self.name!r} has no serving path (serving_state)")
+
 
 # The `kernel` argument's values (`--kernel`): the implementation's own default, its plain kernels, its
 # Pallas ones.

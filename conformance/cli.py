@@ -139,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--shrink-budget", type=float, default=300.0, metavar="SECONDS", help="time to shrink a finding (300)"
     )
     search.add_argument("--no-progress", action="store_true", help="no progress bar")
+    search.add_argument(
+        "--space",
+        default="cases",
+        choices=("cases", "serving"),
+        help="what to draw: dump cases (default) or serving schedules (docs/serving.md)",
+    )
     return parser
 
 
@@ -350,6 +356,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     from conformance.suite.options import parse_dtypes
 
     adapter_class, options = _adapter(args)
+    if args.space == "serving":
+        return _serving_search(args, adapter_class, options)
     try:
         dtypes = tuple(parse_dtypes(args.dtypes))
         for flag in ("budget", "shrink_budget", "max_tokens", "max_seqs"):
@@ -373,6 +381,32 @@ def cmd_search(args: argparse.Namespace) -> int:
     )  # fmt: skip
     try:
         return run_search(search)
+    except ImplementationFault as fault:  # the adapter's constructor failed
+        return _implementation_fault(fault.message, fault.traceback_text)
+
+
+def _serving_search(args: argparse.Namespace, adapter_class: type, options: dict[str, str]) -> int:
+    from conformance.search.serving_search import ServingSearchOptions, run_serving_search
+    from conformance.suite.options import parse_dtypes
+
+    dumps = dumps_or_bundled(args.dumps)
+    try:
+        dtypes = tuple(parse_dtypes(args.dtypes))
+        for flag in ("budget", "shrink_budget", "max_tokens"):
+            if not getattr(args, flag) > 0:
+                raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+        open_verified(dumps)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    enable_compile_cache()
+    search = ServingSearchOptions(
+        impl=args.impl, adapter_class=adapter_class, options=options, kernel=args.kernel,
+        policy=_policy(args.tolerances), dumps=dumps, dtypes=dtypes, budget_s=args.budget, seed=args.seed,
+        out=Path(args.out), max_tokens=args.max_tokens, shrink_budget_s=args.shrink_budget,
+        watchdog=CallWatchdog(_call_timeout(args), EXIT_IMPLEMENTATION),
+    )  # fmt: skip
+    try:
+        return run_serving_search(search)
     except ImplementationFault as fault:  # the adapter's constructor failed
         return _implementation_fault(fault.message, fault.traceback_text)
 

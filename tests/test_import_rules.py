@@ -19,7 +19,12 @@ PACKAGE_IMPORTS = {
     "examples": {"conformance", "kda_spec"},
 }
 # The only modules of conformance that import kda_impl: the built-in adapter and the defect injector on it.
-KDA_IMPL_IN_CONFORMANCE = {"conformance/adapters/kda_impl_adapter.py", "conformance/adapters/defects.py"}
+KDA_IMPL_IN_CONFORMANCE = {
+    "conformance/adapters/kda_impl_adapter.py",
+    "conformance/adapters/kda_impl_serving.py",
+    "conformance/adapters/defects.py",
+    "conformance/adapters/serving_defects.py",
+}
 # conformance's parts along the data path, and the parts each may import (itself always): nothing
 # imports a part above it.
 CONFORMANCE_LAYERS = {

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conformance.adapter import KDAAdapter, LayerResult
+from conformance.adapters.kda_impl_serving import KDAImplServing
 from kda_impl.kernels import chunk_kda, fused_recurrent_kda
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
@@ -66,6 +67,8 @@ class KDAImplAdapter(KDAAdapter):
     # The layer and backend classes it builds its serving path from (a broken or defective adapter swaps one).
     layer_class: type[KimiDeltaAttention] = KimiDeltaAttention
     backend_class: ClassVar[type[KDAAttnBackend]] = KDAAttnBackend
+    # The pool class of its serving path (`serving_open`; a defective adapter swaps it).
+    serving_pool_class: ClassVar[type[RecurrentStatePool]] = RecurrentStatePool
 
     def __init__(
         self,
@@ -88,6 +91,7 @@ class KDAImplAdapter(KDAAdapter):
         self._backend = self.backend_class(kernel=self._kernel)
         self._forward = jit_forward(module, return_intermediates=True)
         self._pool: RecurrentStatePool | None = None
+        self._serving: KDAImplServing | None = None
         self._chunk = jax.jit(functools.partial(chunk_kda, output_final_state=True, kernel=self._kernel))
         self._recurrent = jax.jit(
             functools.partial(fused_recurrent_kda, output_final_state=True, kernel=self._kernel)
@@ -233,6 +237,36 @@ class KDAImplAdapter(KDAAdapter):
                 mesh=self._mesh,
             )
         return self._pool
+
+    # --- serving (docs/serving.md) -------------------------------------------------------------------
+
+    def serving_open(self, num_slots: int) -> None:
+        dp, _ = mesh_sizes(self._mesh)
+        if dp != 1:
+            raise NotImplementedError(f"the serving path runs on one data rank; this mesh has dp={dp}")
+        pool = self.serving_pool_class.create(
+            self.config, num_slots, self._run_dtype, layer_ids=(self._layer_idx,), mesh=self._mesh
+        )
+        self._serving = KDAImplServing(
+            self.config, self._layer_idx, self._run_dtype, self._backend, self._forward, pool, token_bucket
+        )
+
+    def serving_alloc(self) -> int:
+        return self._open_serving().alloc()
+
+    def serving_free(self, slot: int) -> None:
+        self._open_serving().free(slot)
+
+    def serving_forward(self, mode, hidden_states, seq_lens, slots, prefix_lens, padding_rows):
+        return self._open_serving().run(mode, hidden_states, seq_lens, slots, prefix_lens, padding_rows)
+
+    def serving_state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._open_serving().state(slot)
+
+    def _open_serving(self) -> KDAImplServing:
+        if self._serving is None:
+            raise ValueError("no serving pool is open: call serving_open(num_slots) first")
+        return self._serving
 
     # --- kernels --------------------------------------------------------------------------------------
 

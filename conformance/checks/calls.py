@@ -101,6 +101,13 @@ class ImplementationCalls:
             self._case = self.dumps.case(case_id)
         return self._case
 
+    def use_case(self, case: CaseData) -> None:
+        """Judge the next checks on `case`, one the dump does not hold (a serving scenario's requests as
+        a packed case); what was computed for another case is dropped."""
+        if self._case is not case:
+            self._memo.clear()
+            self._case = case
+
     def _memoized(self, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
         """compute() once per case; a failure too, so that the checks sharing it do not repeat it (a
         fault or skip raised afresh to each, so that no traceback grows)."""

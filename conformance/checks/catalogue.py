@@ -21,7 +21,7 @@ KERNEL_CHECKS = {
     "kernel-recurrent": ("fused_recurrent", "o"),
     "kernel-recurrent-state": ("fused_recurrent", "state"),
 }
-GROUPS = ("layer", "kernel", "intermediate", "decode", "chunked")
+GROUPS = ("layer", "kernel", "intermediate", "decode", "chunked", "serving")
 
 
 class CheckSkipped(Exception):

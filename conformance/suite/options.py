@@ -37,6 +37,7 @@ class SuiteOptions:
     tolerances: Path
     impl_options: dict[str, str] = dataclasses.field(default_factory=dict)  # `--impl-option KEY=VALUE`
     call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S  # 0: none
+    scenarios: Path | None = None  # `--scenarios FILE`: the serving scenarios in place of the fixed ones
 
 
 AddOption = Callable[..., Any]  # argparse's `add_argument`, or pytest's `addoption`
@@ -87,7 +88,8 @@ def add_implementation_options(
 
 
 def add_selection_options(add: AddOption, prefix: str = "") -> None:
-    """--dtypes, --cases: which of the dump set's runs and cases the suite checks (named as above)."""
+    """--dtypes, --cases, --scenarios: which of the dump set's runs and cases, and which serving
+    scenarios, the suite checks (named as above)."""
     flag, dest = f"--{prefix}", prefix.replace("-", "_")
     add(
         f"{flag}dtypes", dest=f"{dest}dtypes", default="fp32,bf16", help="comma-separated subset of fp32,bf16"
@@ -98,6 +100,12 @@ def add_selection_options(add: AddOption, prefix: str = "") -> None:
         nargs="+",
         metavar="ID",
         help="case ids (default: every case of the set)",
+    )
+    add(
+        f"{flag}scenarios",
+        dest=f"{dest}scenarios",
+        metavar="FILE",
+        help="serving scenarios (JSON or TOML, docs/serving.md) to check in place of the fixed ones",
     )
 
 
@@ -117,4 +125,5 @@ def suite_options(
         tolerances=Path(get("tolerances")),
         impl_options=parse_option_pairs(get("impl_options")) if impl_options is None else impl_options,
         call_timeout_s=checked_call_timeout(get("call_timeout")),
+        scenarios=Path(get("scenarios")) if get("scenarios") else None,
     )

@@ -20,6 +20,8 @@ from conformance.adapters.guard import (
 )
 from conformance.checks.catalogue import CheckSkipped, CheckSpec, plan
 from conformance.checks.runner import CheckRunner
+from conformance.checks.serving_checks import ServingChecks, is_serving
+from conformance.checks.serving_scenarios import fixed_scenarios, load_scenarios, scenario_set_name
 from conformance.dumps.bundled import is_bundled
 from conformance.dumps.reader import DumpSet
 from conformance.judging.comparison import Comparison
@@ -55,7 +57,11 @@ class ConformanceSession:
             self.dumps, adapter_class, options.kernel, self.policy, options.impl_options, self.watchdog
         )
         self.runner.weights()  # a broken weights file stops the run before any check
+        scenarios = fixed_scenarios() if options.scenarios is None else load_scenarios(options.scenarios)
+        self.serving = ServingChecks(self.runner, scenarios, scenario_set_name(options.scenarios))
         self.specs = plan(self.dumps, self.dumps.case_ids(options.cases), options.dtypes)
+        if options.cases is None or options.scenarios is not None:  # --cases alone picks dump cases only
+            self.specs += self.serving.plan(options.dtypes)
         self.planned = len(self.specs)
         self.records: list[Record] = []
         self.comparisons: dict[str, Comparison] = {}
@@ -87,7 +93,7 @@ class ConformanceSession:
         faulted in fails it with the fault's one line."""
         self._current = spec
         try:
-            comparison = self.runner.run(spec)
+            comparison = self.serving.run(spec) if is_serving(spec) else self.runner.run(spec)
         except CheckSkipped as skip:
             pytest.skip(str(skip))
         except ImplementationFault as fault:

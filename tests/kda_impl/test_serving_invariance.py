@@ -145,14 +145,11 @@ def test_unsupported_modes_raise(mode, error, message, runner_for):
         runner.run(batch, [np.zeros((4, runner.config.hidden_size), np.float32)])
 
 
-def test_mixed_chunk_is_refused_for_kda_models():
-    config = CONFIGS["mini"]
-    with pytest.raises(
-        ValueError, match=r"--enable-mixed-chunk is not supported with KDA .*\(preset 'mini'\)"
-    ):
+def test_mixed_chunk_is_accepted_for_kda_models():
+    # The serving scenarios of MIXED_CHUNK_EVIDENCE verify it (tests/conformance/test_serving.py).
+    for config in (CONFIGS["mini"], None):
         ServerArgs(enable_mixed_chunk=True).check_server_args(config)
-    ServerArgs(enable_mixed_chunk=False).check_server_args(config)
-    ServerArgs(enable_mixed_chunk=True).check_server_args(None)  # a model without KDA layers
+        ServerArgs(enable_mixed_chunk=False).check_server_args(config)
 
 
 def test_forward_is_jitted_once_per_bucket_with_the_pool_donated(runner_for, monkeypatch):

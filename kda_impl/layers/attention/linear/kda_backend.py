@@ -10,7 +10,7 @@ new states back. `KDAAttnBackend` binds the two kernel entry points to `kda_impl
 | DECODE | `_dispatch_recurrent`, one token per request, states updated in their slots of the whole pool |
 | IDLE / DUMMY_FIRST | zeros; the pool is returned unchanged |
 | DRAFT_EXTEND / TARGET_VERIFY | NotImplementedError (speculative decoding is a non-goal) |
-| MIXED | ValueError: never produced; `--enable-mixed-chunk` is refused for KDA models |
+| MIXED | ValueError: never produced; mixed chunks (`--enable-mixed-chunk`) are scheduled as EXTEND |
 
 Under tensor or data parallelism the backend runs inside the layer's `shard_map`: it sees one device's
 heads, one data rank's requests and that rank's block of pool slots, and needs no collective.
@@ -333,5 +333,5 @@ def _check_supported(mode: ForwardMode) -> None:
     if mode == ForwardMode.MIXED:
         raise ValueError(
             "ForwardMode.MIXED never reaches a linear-recurrent backend: mixed chunks are scheduled as "
-            "EXTEND, and --enable-mixed-chunk is refused for KDA models (ServerArgs.check_server_args)"
+            "EXTEND batches (--enable-mixed-chunk), each segment continuing from its own slot"
         )

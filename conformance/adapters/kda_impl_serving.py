@@ -1,0 +1,103 @@
+"""The built-in adapter's serving path: kda_impl's own pool driven as its scheduler drives it.
+
+One `RecurrentStatePool` of S slots (`serving_open`), the adapter's jitted layer forward
+(`KimiDeltaAttention` → `RadixLinearAttention` → the adapter's `backend_class`), and
+`make_forward_batch` for each scheduled EXTEND or DECODE batch, padded to its buckets as the engine pads
+one; the suite's padding rows fill the batch's padding rows (the dummy slot 0). Nothing else beside it:
+the slots are the pool's own, a new request's zero states are the ones its `alloc` gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
+from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
+from kda_impl.model_executor.forward_batch import (
+    MIN_REQUEST_BUCKET,
+    MIN_TOKEN_BUCKET,
+    ForwardMode,
+    bucket,
+    make_forward_batch,
+)
+from kda_spec.config import KDAConfig
+
+SERVING_MODES = {"extend": ForwardMode.EXTEND, "decode": ForwardMode.DECODE}
+
+
+class KDAImplServing:
+    """One open pool and the forward that runs scheduled batches on it."""
+
+    def __init__(
+        self,
+        config: KDAConfig,
+        layer_idx: int,
+        run_dtype: Any,
+        backend: KDAAttnBackend,
+        forward: Callable[..., tuple[Any, ...]],
+        pool: RecurrentStatePool,
+        token_bucket: Callable[[int], int],
+    ):
+        self.config, self.layer_idx, self.run_dtype = config, layer_idx, run_dtype
+        self.backend, self.forward, self.pool = backend, forward, pool
+        self.token_bucket = token_bucket
+        self._host: tuple[np.ndarray, np.ndarray] | None = None  # the pool's buffers on the host
+
+    def alloc(self) -> int:
+        self._host = None
+        return int(self.pool.alloc(1)[0])
+
+    def free(self, slot: int) -> None:
+        self.pool.free([slot])
+
+    def run(
+        self,
+        mode: str,
+        hidden_states: np.ndarray,  # [T, hidden] float32: the requests' tokens, then the padding rows
+        seq_lens: np.ndarray,  # [N]
+        slots: np.ndarray,  # [N]
+        prefix_lens: np.ndarray,  # [N]
+        padding_rows: int,
+    ) -> np.ndarray:
+        """out [T, hidden] float32 of one scheduled batch; the pool keeps the new states."""
+        if mode not in SERVING_MODES:
+            raise ValueError(f"mode must be one of {sorted(SERVING_MODES)}, got {mode!r}")
+        forward_mode = SERVING_MODES[mode]
+        real, rows = int(np.sum(seq_lens)), hidden_states.shape[0]
+        if rows != real + padding_rows:
+            raise ValueError(
+                f"hidden_states has {rows} rows; the batch has {real} tokens and {padding_rows} padding rows"
+            )
+        num_reqs = len(seq_lens)
+        min_requests = bucket(num_reqs + padding_rows + 1, MIN_REQUEST_BUCKET)
+        batch = make_forward_batch(
+            self.backend,
+            forward_mode,
+            seq_lens,
+            self.pool.get_recurrent_indices(slots),
+            num_slots=self.pool.num_slots,
+            prefix_lens=prefix_lens,
+            min_tokens=max(self.token_bucket(rows), MIN_TOKEN_BUCKET),
+            min_requests=min_requests,
+        )
+        x = np.zeros((batch.num_tokens, self.config.hidden_size), np.float32)
+        x[:rows] = hidden_states  # DECODE: the padding requests' one token each; EXTEND: padding tokens
+        self._host = None
+        try:
+            out, self.pool, _ = self.forward(x.astype(self.run_dtype), batch, self.pool)
+        except BaseException:
+            self.pool = None  # its buffers were donated to the failed call
+            raise
+        return np.asarray(out)[:rows].astype(np.float32)  # sliced on the host: no compile per row count
+
+    def state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """(recurrent [H, D, D], conv [W-1, 3P]) of `slot`, float32."""
+        if self._host is None:
+            recurrent, conv = self.pool.get_linear_recurrent_layer_cache(self.layer_idx)
+            self._host = (np.asarray(recurrent), np.asarray(conv).astype(np.float32))
+        row = int(self.pool.rows([slot])[0])
+        recurrent, conv = self._host
+        return recurrent[row].astype(np.float32), conv[row].reshape(self.config.conv_size - 1, -1)

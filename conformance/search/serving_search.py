@@ -1,0 +1,194 @@
+"""`python -m conformance search --space serving`: schedules drawn and judged until one fails, shrunk by
+hypothesis to the fewest requests, steps and tokens, and written as a scenario file that `conformance
+run --scenarios FILE` replays (docs/serving.md).
+
+Each drawn schedule is run on the implementation's own pool and judged by every serving check
+(`ServingChecks`: each request against itself alone and the float64 truth, the slots outside each batch,
+bit for bit), on the dump's weights. Writes into `--out`: `scenarios.json` (the shrunk failing schedule,
+when one was found) and `serving-search.json` (what was tried, what failed, how to replay it).
+Exit status: 0 nothing failed within the budget, 1 a failing schedule was found, 2 the adapter has no
+serving path (the search cannot answer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import shlex
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, Phase, find, settings
+from hypothesis.errors import NoSuchExample
+
+from conformance.adapter import KDAAdapter
+from conformance.adapters.guard import CallWatchdog, ImplementationFault
+from conformance.checks.catalogue import CheckSkipped
+from conformance.checks.runner import CheckRunner
+from conformance.checks.serving_checks import ServingChecks
+from conformance.checks.serving_scenarios import Scenario, write_scenarios
+from conformance.dumps.reader import DumpSet
+from conformance.judging.tolerances import TolerancePolicy
+from conformance.search.serving_space import schedule_strategy
+
+EXIT_CLEAN, EXIT_FOUND, EXIT_CANNOT_ANSWER = 0, 1, 2
+SCENARIO_FILE = "scenarios.json"
+REPORT_FILE = "serving-search.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingSearchOptions:
+    impl: str
+    adapter_class: type[KDAAdapter]
+    options: Mapping[str, str]
+    kernel: str
+    policy: TolerancePolicy
+    dumps: str
+    dtypes: tuple[str, ...]
+    budget_s: float
+    seed: int
+    out: Path
+    max_tokens: int
+    shrink_budget_s: float
+    watchdog: CallWatchdog | None = None
+
+
+class CannotAnswer(Exception):
+    """The implementation has no serving path: the search has nothing to judge."""
+
+
+class ScheduleJudge:
+    """Whether a schedule fails a serving check, and the first failure of each schedule that does."""
+
+    def __init__(self, options: ServingSearchOptions, deadline: float):
+        dumps = DumpSet(options.dumps)
+        self.runner = CheckRunner(
+            dumps, options.adapter_class, options.kernel, options.policy, options.options, options.watchdog
+        )
+        self.dtypes, self.deadline = options.dtypes, deadline
+        self.tried, self.failures = 0, {}
+
+    def fails(self, scenario: Scenario) -> bool:
+        """True when a serving check of `scenario` fails or the implementation faults on it; past the
+        deadline every schedule counts as passing (the search and the shrinking stop)."""
+        if scenario in self.failures:  # hypothesis replays what it found
+            return True
+        if time.monotonic() > self.deadline or not scenario.forwards:
+            return False
+        self.tried += 1
+        serving = ServingChecks(self.runner, [scenario], "searched")
+        for spec in serving.plan(list(self.dtypes)):
+            try:
+                comparison = serving.run(spec)
+            except CheckSkipped as skip:
+                if spec.check == f"serving-{scenario.name}":  # the outputs' check: no serving path
+                    raise CannotAnswer(str(skip)) from None
+                continue  # a check this schedule does not give (no slot outside a batch)
+            except ImplementationFault as fault:
+                self.failures[scenario] = f"{spec.id}: {fault.message}"
+                return True
+            if not comparison.passed:
+                self.failures[scenario] = f"{spec.id}: {comparison.summary()}"
+                return True
+        return False
+
+
+def run_serving_search(options: ServingSearchOptions) -> int:
+    """Search, shrink, write; the exit status (module docstring)."""
+    started = time.monotonic()
+    options.out.mkdir(parents=True, exist_ok=True)
+    judge = ScheduleJudge(options, started + options.budget_s)
+    found: Scenario | None = None
+    try:
+        found = _search(judge, options, started)
+    except CannotAnswer as reason:
+        print(f"nothing searched: {reason}")
+        _write_report(options, judge, None, started, str(reason))
+        return EXIT_CANNOT_ANSWER
+    _write_report(options, judge, found, started, None)
+    if found is None:
+        print(f"serving search: {judge.tried} schedules, none failed ({time.monotonic() - started:.0f} s)")
+        return EXIT_CLEAN
+    write_scenarios([found], options.out / SCENARIO_FILE)
+    print(f"serving search: failing schedule after {judge.tried} schedules: {judge.failures[found]}")
+    print(f"shrunk to {_size(found)}; replay: {replay_command(options)}")
+    return EXIT_FOUND
+
+
+def _search(judge: ScheduleJudge, options: ServingSearchOptions, started: float) -> Scenario | None:
+    """hypothesis' `find`: draws until `judge.fails`, then shrinks within the shrink budget."""
+    found_at: list[float] = []
+
+    def condition(scenario: Scenario) -> bool:
+        failed = judge.fails(scenario)
+        if failed and not found_at:
+            found_at.append(time.monotonic())
+            judge.deadline = found_at[0] + options.shrink_budget_s
+        return failed
+
+    search_settings = settings(
+        max_examples=10_000,
+        deadline=None,
+        database=None,
+        phases=(Phase.generate, Phase.shrink),
+        suppress_health_check=list(HealthCheck),
+    )
+    try:
+        return find(
+            schedule_strategy(options.max_tokens),
+            condition,
+            settings=search_settings,
+            random=random.Random(options.seed),
+        )
+    except NoSuchExample:
+        return None
+
+
+def _size(scenario: Scenario) -> str:
+    tokens = scenario.request_tokens
+    return (
+        f"{len(tokens)} requests, {len(scenario.forwards)} forwards, {sum(tokens.values())} tokens, "
+        f"{scenario.num_slots} slots"
+    )
+
+
+def replay_command(options: ServingSearchOptions) -> str:
+    words = ["python", "-m", "conformance", "run", "--dumps", options.dumps, "--impl", options.impl]
+    words += ["--kernel", options.kernel, "--dtypes", ",".join(options.dtypes)]
+    for key, value in options.options.items():
+        words += ["--impl-option", f"{key}={value}"]
+    words += ["--scenarios", str(options.out / SCENARIO_FILE), "--", "-k", "serving"]
+    return shlex.join(words)
+
+
+def _write_report(
+    options: ServingSearchOptions,
+    judge: ScheduleJudge,
+    found: Scenario | None,
+    started: float,
+    cannot_answer: str | None,
+) -> None:
+    report: dict[str, Any] = {
+        "space": "serving",
+        "impl": options.impl,
+        "dumps": options.dumps,
+        "dtypes": list(options.dtypes),
+        "seed": options.seed,
+        "budget_s": options.budget_s,
+        "duration_s": round(time.monotonic() - started, 1),
+        "schedules_tried": judge.tried,
+        "cannot_answer": cannot_answer,
+        "found": None,
+    }
+    if found is not None:
+        report["found"] = {
+            "failure": judge.failures[found],
+            "size": _size(found),
+            "scenario_file": SCENARIO_FILE,
+            "replay": replay_command(options),
+            "scenario": found.as_dict(),
+        }
+    (options.out / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
