@@ -5,16 +5,14 @@ The projections reduce over the hidden size (q, k, v, the gate's and beta's inpu
 the low-rank second projections reduce over D, less); the output projection over P = H·D; the kernels
 over a head's D channels and the chunk's tokens. A stage's budget is that of the widest reduction on its
 path from the layer's input: the states and `o_norm` carry the projections' (hidden), the layer output
-(and its decode and chunked-prefill replays) the wider of hidden and P. A kernel check runs on the
-dump's own inputs, so its budget is the kernel's alone.
+(and its decode, chunked-prefill and serving replays, and the long cases by position) the wider of
+hidden and P. A kernel check runs on the dump's own inputs, so its budget is the kernel's alone.
 """
 
 from __future__ import annotations
 
-from conformance.checks.catalogue import KERNEL_CHECKS
-from conformance.judging.positions import POSITION_CHECKS
+from conformance.checks.catalogue import KERNEL_CHECKS, truth_name
 from conformance.judging.reduction import Reduction
-from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig
 
 # The chunk length of the reference's chunk kernel (fla's chunk_kda): its intra-chunk sums have this many
@@ -23,7 +21,8 @@ REFERENCE_CHUNK_TOKENS = 64
 
 
 def reduction_of(check: str, config: KDAConfig) -> Reduction:
-    """The widest fp32 reduction behind `check`'s result under `config` (module docstring)."""
+    """The widest fp32 reduction behind `check`'s result under `config` (module docstring): a kernel's
+    own, else by the layer result the check is judged against (`catalogue.truth_name`)."""
     hidden, proj, dim = config.hidden_size, config.proj_dim, config.head_dim
     if check in KERNEL_CHECKS:
         if KERNEL_CHECKS[check][0] == "chunk":
@@ -32,9 +31,7 @@ def reduction_of(check: str, config: KDAConfig) -> Reduction:
                 length, f"the chunk kernel: D={dim} channels, {REFERENCE_CHUNK_TOKENS}-token chunks"
             )
         return Reduction(dim, f"the recurrent kernel: D={dim} channels")
-    if check in fmt.INTERMEDIATE_KEYS or check in ("layer-state", "chunked-prefill-state"):
-        return Reduction(hidden, f"the projections over hidden={hidden}")
-    if check in ("layer", "chunked-prefill") or check.startswith("decode-") or check in POSITION_CHECKS:
+    if truth_name(check) == "out":
         length = max(hidden, proj)
         return Reduction(length, f"the projections over hidden={hidden} and o_proj over P={proj}")
-    raise ValueError(f"no reduction is known for check {check!r}")
+    return Reduction(hidden, f"the projections over hidden={hidden}")

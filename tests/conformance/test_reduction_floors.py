@@ -29,17 +29,14 @@ REAL = get_preset("kimi-linear-48b-a3b")
         ("decode-k8-self", 4096),
         ("chunked-prefill", 4096),
         ("layer-positions", 4096),
+        ("serving-mixed-extend", 4096),
+        ("serving-mixed-extend-state", 2304),
         ("kernel-chunk", max(128, REFERENCE_CHUNK_TOKENS)),
         ("kernel-recurrent-state", 128),
     ],
 )
 def test_each_check_has_the_k_of_its_widest_reduction(check: str, length: int) -> None:
     assert reduction_of(check, REAL).length == length
-
-
-def test_an_unknown_check_is_named() -> None:
-    with pytest.raises(ValueError, match="'no-such-check'"):
-        reduction_of("no-such-check", REAL)
 
 
 def test_the_nrmse_floor_is_sqrt_k_ulps_and_never_below_the_policy() -> None:
