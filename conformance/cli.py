@@ -11,8 +11,9 @@ import argparse
 import functools
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from conformance.adapter import (
     KERNEL_CHOICES,
@@ -360,9 +361,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         return _serving_search(args, adapter_class, options)
     try:
         dtypes = tuple(parse_dtypes(args.dtypes))
-        for flag in ("budget", "shrink_budget", "max_tokens", "max_seqs"):
-            if not getattr(args, flag) > 0:
-                raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+        _check_positive(args, ("budget", "shrink_budget", "max_tokens", "max_seqs"))
         if args.dumps is None:
             from kda_spec.config import get_preset
 
@@ -379,9 +378,24 @@ def cmd_search(args: argparse.Namespace) -> int:
         max_seqs=args.max_seqs, shrink_budget_s=args.shrink_budget, progress=not args.no_progress,
         watchdog=CallWatchdog(_call_timeout(args), EXIT_IMPLEMENTATION),
     )  # fmt: skip
+    return _searched(run_search, search)
+
+
+def _check_positive(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
+    """A ValueError naming the first of `flags` whose value is not > 0."""
+    for flag in flags:
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+
+
+_Search = TypeVar("_Search")
+
+
+def _searched(run: Callable[[_Search], int], search: _Search) -> int:
+    """`run(search)`'s exit status; the implementation-fault exit where the adapter's constructor failed."""
     try:
-        return run_search(search)
-    except ImplementationFault as fault:  # the adapter's constructor failed
+        return run(search)
+    except ImplementationFault as fault:
         return _implementation_fault(fault.message, fault.traceback_text)
 
 
@@ -392,9 +406,7 @@ def _serving_search(args: argparse.Namespace, adapter_class: type, options: dict
     dumps = dumps_or_bundled(args.dumps)
     try:
         dtypes = tuple(parse_dtypes(args.dtypes))
-        for flag in ("budget", "shrink_budget", "max_tokens"):
-            if not getattr(args, flag) > 0:
-                raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+        _check_positive(args, ("budget", "shrink_budget", "max_tokens"))
         open_verified(dumps)
     except ValueError as err:
         raise UsageError(str(err)) from None
@@ -405,10 +417,7 @@ def _serving_search(args: argparse.Namespace, adapter_class: type, options: dict
         out=Path(args.out), max_tokens=args.max_tokens, shrink_budget_s=args.shrink_budget,
         watchdog=CallWatchdog(_call_timeout(args), EXIT_IMPLEMENTATION),
     )  # fmt: skip
-    try:
-        return run_serving_search(search)
-    except ImplementationFault as fault:  # the adapter's constructor failed
-        return _implementation_fault(fault.message, fault.traceback_text)
+    return _searched(run_serving_search, search)
 
 
 COMMANDS = {
