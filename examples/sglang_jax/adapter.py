@@ -11,6 +11,10 @@ and drives its own code wherever it imports:
   l2 norm, Pallas `chunk_kda_fwd` for prefill with the gate in the kernel, `naive_recurrent_kda` for
   decode), with states in a `RecurrentStatePool` and the backend's own `get_forward_metadata`;
 - the kernel checks: `chunk_kda_fwd` (Pallas; interpreted on a CPU) and `naive_recurrent_kda`.
+- the serving checks (docs/serving.md): one `RecurrentStatePool` (slot 0 its dummy), the slots from its
+  `HybridReqToTokenPool`'s free list, each batch laid out as `ScheduleBatch.get_model_worker_batch`
+  lays it out (`has_initial_state = prefix_lens > 0` in EXTEND, padding requests on slot 0) and run
+  through the same layer path with the backend's `get_forward_metadata`.
 
 Options (strings): `sglang_jax` the checkout; `interpret` `1|0` Pallas interpret mode (default: on
 unless a TPU is present). sgl_jax's package `__init__`s import server-only modules (zmq, fastapi,
