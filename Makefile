@@ -120,7 +120,8 @@ device-check:
 # Opt-in, not in CI: sglang-jax's KDA (examples/sglang_jax/) on golden/, then `conformance search` on it
 # (no hand-made set: generated cases, seed 0, 600 s to find, up to 1200 s to shrink, as each new shape
 # compiles on a CPU) and the suite's run of the reproducer it writes. Exit status 1 when any of them
-# failed (sglang-jax does: examples/sglang_jax/README.md).
+# failed (sglang-jax does: examples/sglang_jax/README.md). The golden/ run includes the fixed serving
+# scenarios (the suite checks them with every case of a set); no serving search runs here.
 SGLANG_JAX ?=
 SGLANG_JAX_SEARCH_BUDGET ?= 600
 SGLANG_JAX_SHRINK_BUDGET ?= 1200

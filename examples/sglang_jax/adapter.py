@@ -11,6 +11,10 @@ and drives its own code wherever it imports:
   l2 norm, Pallas `chunk_kda_fwd` for prefill with the gate in the kernel, `naive_recurrent_kda` for
   decode), with states in a `RecurrentStatePool` and the backend's own `get_forward_metadata`;
 - the kernel checks: `chunk_kda_fwd` (Pallas; interpreted on a CPU) and `naive_recurrent_kda`.
+- the serving checks (docs/serving.md): one `RecurrentStatePool` (slot 0 its dummy), the slots from its
+  `HybridReqToTokenPool`'s free list, each batch laid out as `ScheduleBatch.get_model_worker_batch`
+  lays it out (`has_initial_state = prefix_lens > 0` in EXTEND, padding requests on slot 0) and run
+  through the same layer path with the backend's `get_forward_metadata`.
 
 Options (strings): `sglang_jax` the checkout; `interpret` `1|0` Pallas interpret mode (default: on
 unless a TPU is present). sgl_jax's package `__init__`s import server-only modules (zmq, fastapi,
@@ -351,6 +355,98 @@ class SglangJaxAdapter(KDAAdapter):
             return np.zeros((num_seqs, self.config.num_heads, d, d), np.float32)
         return check_state(initial_state, self.config, num_seqs)
 
+    # --- serving (docs/serving.md) ----------------------------------------------------------------------
+
+    def serving_open(self, num_slots: int) -> None:
+        """sglang-jax's `RecurrentStatePool` of `num_slots` slots (+ the dummy slot 0) and its
+        `HybridReqToTokenPool`, whose free list hands out and takes back the recurrent slots."""
+        c = self.config
+        self._serving_pool = self._sgl.RecurrentStatePool(
+            [self._layer_idx],
+            num_slots,
+            c.num_heads,
+            c.head_dim,
+            c.conv_size,
+            self._mesh,
+            temporal_dtype=jnp.float32,
+            conv_dtype=self._run_dtype,
+        )
+        self._req_pool = self._sgl.HybridReqToTokenPool(
+            size=num_slots, max_context_len=1, dtype=np.int32, recurrent_state_pool=self._serving_pool
+        )
+        self._serving_host: tuple[np.ndarray, np.ndarray] | None = None
+
+    def serving_alloc(self) -> int:
+        slot = self._req_pool.alloc_recurrent_slot()
+        if slot is None:
+            raise RuntimeError("sglang-jax's recurrent free list is empty")
+        return int(slot)
+
+    def serving_free(self, slot: int) -> None:
+        self._req_pool.free_recurrent_slot(slot)
+
+    def serving_forward(
+        self,
+        mode: str,
+        hidden_states: np.ndarray,
+        seq_lens: np.ndarray,
+        slots: np.ndarray,
+        prefix_lens: np.ndarray,
+        padding_rows: int,
+    ) -> np.ndarray:
+        """One batch as sglang-jax's `ScheduleBatch.get_model_worker_batch` lays it out: the requests,
+        then padding requests (recurrent index 0, the dummy slot; `has_initial_state` True as its
+        `np.ones` leaves them) up to a request bucket; EXTEND: `has_initial_state = prefix_lens > 0`,
+        padding requests of 0 tokens, the suite's padding rows and the token bucket's after the last
+        request's tokens; DECODE: one padding request per padding row. No track slots
+        (`recurrent_track_indices` None: no `--enable-recurrent-extra-buffer`)."""
+        if mode not in ("extend", "decode"):
+            raise ValueError(f"mode must be 'extend' or 'decode', got {mode!r}")
+        real, rows, num_reqs = int(np.sum(seq_lens)), hidden_states.shape[0], len(seq_lens)
+        if rows != real + padding_rows:
+            raise ValueError(
+                f"hidden_states has {rows} rows; the batch has {real} tokens + {padding_rows} padding"
+            )
+        batch_reqs = num_reqs + (padding_rows if mode == "decode" else 0)
+        per_dp_bs = _bucket(batch_reqs, 4)
+        num_tokens = per_dp_bs if mode == "decode" else _bucket(rows, 16)
+        recurrent_indices = np.zeros(per_dp_bs, np.int32)
+        recurrent_indices[:num_reqs] = slots
+        has_initial_state = np.ones(per_dp_bs, bool)
+        extend_seq_lens = None
+        if mode == "extend":
+            extend_seq_lens = np.zeros(per_dp_bs, np.int32)
+            extend_seq_lens[:num_reqs] = seq_lens
+            has_initial_state[:num_reqs] = np.asarray(prefix_lens) > 0
+        forward_mode = self._sgl.ForwardMode.EXTEND if mode == "extend" else self._sgl.ForwardMode.DECODE
+        worker_batch = types.SimpleNamespace(
+            forward_mode=forward_mode,
+            extend_seq_lens=extend_seq_lens,
+            dp_size=1,
+            per_dp_bs_size=per_dp_bs,
+            recurrent_indices=recurrent_indices,
+            has_initial_state=has_initial_state,
+            recurrent_track_indices=None,
+            recurrent_track_mask=None,
+        )
+        self._kda_backend.forward_metadata = self._kda_backend.get_forward_metadata(worker_batch)
+        x = np.zeros((num_tokens, self.config.hidden_size), np.float32)
+        x[:rows] = hidden_states
+        self._serving_host = None
+        with jax.set_mesh(self._mesh):
+            out, (new_recurrent, (new_conv,)), _ = self._forward[mode](
+                self._module, self._backend, jnp.asarray(x).astype(self._run_dtype), self._serving_pool
+            )
+        self._serving_pool.replace_buffer(([new_recurrent], [[new_conv]]))
+        return _to_numpy(out)[:rows]
+
+    def serving_state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._serving_host is None:
+            recurrent, (conv,) = self._serving_pool.get_linear_recurrent_layer_cache(self._layer_idx)
+            self._serving_host = (_to_numpy(recurrent), _to_numpy(conv))
+        recurrent, conv = self._serving_host
+        return recurrent[slot].copy(), np.ascontiguousarray(conv[slot].T)
+
 
 def forward_layer(
     module: Any, x: jax.Array, batch: Any, pool: Any
@@ -380,6 +476,7 @@ class _SglJax:
     KDAAttnBackend: Any
     HybridLinearAttnBackend: Any
     RecurrentStatePool: Any
+    HybridReqToTokenPool: Any
     ForwardMode: Any
     chunk_kda: Any
     naive_recurrent_kda: Any
@@ -401,6 +498,9 @@ class _SglJax:
                 RecurrentStatePool=importlib.import_module(
                     "sgl_jax.srt.mem_cache.recurrent_state_pool"
                 ).RecurrentStatePool,
+                HybridReqToTokenPool=importlib.import_module(
+                    "sgl_jax.srt.mem_cache.memory_pool"
+                ).HybridReqToTokenPool,
                 ForwardMode=importlib.import_module(
                     "sgl_jax.srt.model_executor.forward_batch_info"
                 ).ForwardMode,
@@ -416,6 +516,11 @@ def _attribute(module: Any, path: str) -> Any:
     for part in path.split("."):
         module = getattr(module, part)
     return module
+
+
+def _bucket(n: int, minimum: int) -> int:
+    """The power of two at least `n` and `minimum`: the batch's padded request or token count."""
+    return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
 def _to_numpy(x: jax.Array) -> np.ndarray:
