@@ -320,9 +320,8 @@ def token_bucket(tokens: int) -> int:
     1024, 16384), far coarser than the layer's own power-of-two buckets. Over golden's lengths that is
     2 token buckets where powers of two take 5, so a cold run compiles the layer and each kernel fewer
     times, at up to 16× the padding (cheap at the sizes a conformance run checks on a CPU). Golden's
-    results are the same to the bit as with power-of-two buckets; padding every call to 1024 tokens
-    instead moves fp32 roundings (72 of golden's fp32 gate ratios, by up to 24%; no verdict), XLA:CPU's dot
-    rounding differently for 64 rows than for 1024."""
+    results are the same to the bit as with power-of-two buckets. One bucket for every call would not
+    be: XLA:CPU rounds a dot of 64 rows differently from one of 1024, which moves fp32 roundings."""
     padded = MIN_TOKEN_BUCKET
     while padded < tokens:
         padded *= 16
