@@ -186,11 +186,13 @@ class CheckRunner(ImplementationCalls):
         check, a result the model lacks)."""
         model = self.contract_model(case, spec, positions)
         limits, fp32_stage = self.policy.contract, truth_name(spec.check) in FP32_STAGES
-        args = (actual, expected, model, truth, attribution.impl.nrmse, CONTRACT_SOURCE, limits, fp32_stage)
-        check = contract_check(*args, gating)
+        impl_error = attribution.impl.nrmse
+        check = contract_check(
+            actual, expected, model, truth, impl_error, CONTRACT_SOURCE, limits, fp32_stage, gating
+        )
         if check.fixed_limits_hold:
             return check
-        return contract_check(*args, gating, self.contract_model(case, spec, positions, spread=True))
+        return check.with_spread(self.contract_model(case, spec, positions, spread=True), model)
 
     def contract_model(
         self, case: CaseData, spec: CheckSpec, positions: dict, spread: bool = False

@@ -97,6 +97,13 @@ class ContractCheck:
             ),
         )  # fmt: skip
 
+    def with_spread(self, spread_model: np.ndarray, model: np.ndarray) -> ContractCheck:
+        """This check with its model's spread: `spread_model` (every near-tie of the model rounded the
+        other way) against `model`, over the rows the check's statistics use."""
+        rows = _selected(self.gating)
+        spread = error_vs_contract(np.asarray(spread_model)[rows], np.asarray(model)[rows])
+        return dataclasses.replace(self, spread=spread)
+
     @property
     def fixed_limits_hold(self) -> bool:
         """The implementation holds the contract's fixed limits (its model's spread is not needed)."""
@@ -154,17 +161,12 @@ def contract_check(
     limits: ContractLimits,
     fp32_stage: bool,
     gating: StatisticRows,
-    spread_model: np.ndarray | None = None,
 ) -> ContractCheck:
     """Both sides of a check against the contract's float64 `model` (where it comes from: `source`), over
     the rows `gating` selects (all of them where it selects none: reported, not gated); the model against
     the float64 `truth`, beside the implementation's nRMSE against it (`TruthError.nrmse` of the check's
-    attribution); `spread_model` (the model with its rounded values moved by one ulp first) against the
-    model, where given."""
-    rows = gating.rows if gating.rows.any() else slice(None)
-    spread = None
-    if spread_model is not None:
-        spread = error_vs_contract(np.asarray(spread_model)[rows], np.asarray(model)[rows])
+    attribution)."""
+    rows = _selected(gating)
     return ContractCheck(
         source=source,
         impl=error_vs_contract(np.asarray(actual)[rows], np.asarray(model)[rows]),
@@ -174,5 +176,9 @@ def contract_check(
         gating=gating,
         impl_truth_nrmse=impl_truth_nrmse,
         model_truth_nrmse=error_vs_contract(model, truth).nrmse,
-        spread=spread,
     )
+
+
+def _selected(gating: StatisticRows) -> np.ndarray | slice:
+    """The rows the minimum-tokens rule selects, or all of them where it selects none."""
+    return gating.rows if gating.rows.any() else slice(None)
