@@ -28,6 +28,7 @@ from conformance.adapters.guard import (
 )
 from conformance.checks import sequences
 from conformance.checks.catalogue import CheckSkipped
+from conformance.checks.memo import Memo
 from conformance.checks.truth import KERNEL_INPUTS
 from conformance.dumps.reader import CaseData, DumpSet
 from kda_spec import dump_format as fmt
@@ -61,7 +62,7 @@ class ImplementationCalls:
         self._guarded: dict[str, GuardedAdapter] = {}
         self._adapter_faults: dict[str, ImplementationFault] = {}
         self._case: CaseData | None = None
-        self._memo: dict[tuple[Any, ...], Any] = {}
+        self._results = Memo()  # the current case's results
 
     # ------------------------------------------------------------------------------------- resources
 
@@ -94,36 +95,28 @@ class ImplementationCalls:
         self._guarded[dtype] = GuardedAdapter(adapter, self.watchdog, self.faults)
         self._adapter_faults.pop(dtype, None)
 
+    def guarded(self, dtype: str) -> GuardedAdapter:
+        """The guard around the `dtype` adapter (built, or its fault raised, first)."""
+        self.adapter(dtype)
+        return self._guarded[dtype]
+
     def case(self, case_id: str) -> CaseData:
         if self._case is None or self._case.info.case_id != case_id:
-            self._memo.clear()
+            self._results.clear()
             self._case = None  # free the previous case before reading the next
             self._case = self.dumps.case(case_id)
         return self._case
 
     def use_case(self, case: CaseData) -> None:
-        """Judge the next checks on `case`, one the dump does not hold (a serving scenario's requests as
-        a packed case); what was computed for another case is dropped."""
+        """Call the implementation on `case` next, one the dump does not hold (a serving scenario's
+        requests as a packed case); what was computed for another case is dropped."""
         if self._case is not case:
-            self._memo.clear()
+            self._results.clear()
             self._case = case
 
-    def _memoized(self, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
-        """compute() once per case; a failure too, so that the checks sharing it do not repeat it (a
-        fault or skip raised afresh to each, so that no traceback grows)."""
-        if key not in self._memo:
-            try:
-                self._memo[key] = (True, compute())
-            except Exception as err:
-                self._memo[key] = (False, err)
-        ok, value = self._memo[key]
-        if ok:
-            return value
-        if isinstance(value, ImplementationFault):
-            raise value.fresh()
-        if isinstance(value, CheckSkipped):
-            raise CheckSkipped(str(value))
-        raise value
+    def forget_results(self) -> None:
+        """Forget the implementation's results of the current case (its adapter changed)."""
+        self._results.clear()
 
     # -------------------------------------------------------------------------------- computations
 
@@ -136,9 +129,9 @@ class ImplementationCalls:
 
     def layer(self, case: CaseData, dtype: str) -> LayerResult:
         """One prefill of the whole case."""
-        return self._memoized(
+        return self._results.get(
             ("layer", dtype),
-            lambda: self._extend(dtype, self.inputs(case, dtype), case.cu_seqlens, case.initial_state),
+            lambda: self.extend(dtype, self.inputs(case, dtype), case.cu_seqlens, case.initial_state),
         )
 
     def kernel_on_dump(self, case: CaseData, dtype: str, path: str) -> tuple[np.ndarray, np.ndarray]:
@@ -147,7 +140,7 @@ class ImplementationCalls:
         if missing:
             raise CheckSkipped(f"the dump has no {missing}: the kernel inputs are not in it")
         stages = {name: case.result(name, dtype) for name in KERNEL_INPUTS}
-        return self._memoized(("kernel", dtype, path), lambda: self.run_kernel(case, dtype, path, stages))
+        return self._results.get(("kernel", dtype, path), lambda: self.run_kernel(case, dtype, path, stages))
 
     def run_kernel(
         self, case: CaseData, dtype: str, path: str, stages: dict[str, np.ndarray]
@@ -174,7 +167,7 @@ class ImplementationCalls:
     def decode_full(self, case: CaseData, dtype: str, k: int | None) -> tuple[np.ndarray, np.ndarray]:
         """`decode`'s run with every output row: the prefill's, then the decoded ones (a long case's
         output by position); and the decoded rows' positions."""
-        return self._memoized(("decode", dtype, k), lambda: self._decode(case, dtype, k))
+        return self._results.get(("decode", dtype, k), lambda: self._decode(case, dtype, k))
 
     def _decode(self, case: CaseData, dtype: str, k: int | None) -> tuple[np.ndarray, np.ndarray]:
         seq_lens, cu = case.info.seq_lens, case.cu_seqlens
@@ -183,7 +176,7 @@ class ImplementationCalls:
             raise CheckSkipped("every sequence is 1 token long: no decode step follows a non-empty prefill")
         x = self.inputs(case, dtype)
         prefill = [(0, n - s) for n, s in zip(seq_lens, steps)]
-        result = self._extend(
+        result = self.extend(
             dtype,
             sequences.gather(x, cu, prefill),
             sequences.offsets([n - s for n, s in zip(seq_lens, steps)]),
@@ -205,7 +198,7 @@ class ImplementationCalls:
 
     def chunked_prefill(self, case: CaseData, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
         """The case prefilled in pieces, each call continuing the last; (out [T, hidden], final states)."""
-        return self._memoized(("chunked", dtype), lambda: self._chunked_prefill(case, dtype))
+        return self._results.get(("chunked", dtype), lambda: self._chunked_prefill(case, dtype))
 
     def _chunked_prefill(self, case: CaseData, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
         pieces = sequences.chunked_prefill_pieces(case.info.seq_lens)
@@ -217,7 +210,7 @@ class ImplementationCalls:
         out = np.zeros(x.shape, np.float32)
         result = None
         for ranges in pieces:
-            result = self._extend(
+            result = self.extend(
                 dtype,
                 sequences.gather(x, cu, ranges),
                 sequences.offsets([hi - lo for lo, hi in ranges]),
@@ -227,7 +220,7 @@ class ImplementationCalls:
             out[sequences.rows(cu, ranges)] = result.out
         return out, result.final_state
 
-    def _extend(
+    def extend(
         self,
         dtype: str,
         hidden_states: np.ndarray,
@@ -271,9 +264,8 @@ class ImplementationCalls:
         """Call an adapter method through its guard, its result through `check(result, call, shapes)`;
         a path it lacks (NotImplementedError) skips the check, any other failure is an
         `ImplementationFault`."""
-        self.adapter(dtype)  # built (or its fault raised) first
         try:
-            return self._guarded[dtype].call(
+            return self.guarded(dtype).call(
                 method, arguments, lambda result, call: check(result, call, shapes)
             )
         except NotImplementedError as err:

@@ -1,12 +1,11 @@
-"""`CheckRunner`: each check's result (`ImplementationCalls`) paired with its reference, measured,
-judged against its float64 truth and the bf16 precision contract's model, and decided by the check's
-gate mode."""
+"""`CheckRunner`: each check's two sides (the implementation's result from `ImplementationCalls`, the
+dump's reference) measured, judged against the float64 truth and the bf16 precision contract's model,
+and decided by the check's gate mode: one `CheckResult` per check."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import numpy as np
 
@@ -14,6 +13,7 @@ from conformance.adapter import KDAAdapter
 from conformance.adapters.guard import CallWatchdog
 from conformance.checks.calls import ImplementationCalls, l2norm
 from conformance.checks.catalogue import KERNEL_CHECKS, CheckSkipped, CheckSpec, decode_run, truth_name
+from conformance.checks.memo import Memo
 from conformance.checks.reductions import reduction_of
 from conformance.checks.truth import (
     COMPUTED_LAYER_TRUTH_SOURCE,
@@ -30,11 +30,11 @@ from conformance.checks.truth import (
     stored_truth,
 )
 from conformance.dumps.reader import CaseData, DumpSet
-from conformance.judging.attribution import Attribution, attribute
+from conformance.judging.attribution import attribute
 from conformance.judging.comparison import Comparison, judge
 from conformance.judging.contract import ContractCheck, contract_check
 from conformance.judging.matmul_diagnosis import MATMUL_MODELS, MatmulDiagnosis, diagnose
-from conformance.judging.measurement import StatisticRows, measure
+from conformance.judging.measurement import Measurement, measure
 from conformance.judging.positions import (
     DECODE_POSITIONS,
     POSITION_CHECKS,
@@ -52,14 +52,39 @@ _STATE_AXES = ("seq", "head", "key", "value")
 KERNEL_TRUTH_SOURCE = "float64 recurrence on the dumped kernel inputs"
 
 
-# What the runner memoizes per case that depends on the dump alone, never on the implementation: the
-# truths and the models (`forget_implementation_results` keeps them).
-CASE_DERIVED = frozenset({"layer-truth", "kernel-truth", "contract-model", "matmul-model"})
+@dataclasses.dataclass(frozen=True)
+class Sides:
+    """A check's two sides: the implementation's result and the reference (one shape), the names of
+    their axes, and for a selection of rows each row's position in the case (`positions`: axis →
+    indices)."""
+
+    actual: np.ndarray
+    expected: np.ndarray
+    axes: tuple[str, ...]
+    positions: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "actual", np.asarray(self.actual))
+
+    def rows_of(self, whole: np.ndarray) -> np.ndarray:
+        """`whole` (a result of the whole case) at this check's rows."""
+        return whole[self.positions["token"]] if "token" in self.positions else whole
 
 
-class CheckRunner(ImplementationCalls):
-    """Computes and decides checks under `policy`; the long cases' windows are kept in
-    `position_profiles`, by check id."""
+@dataclasses.dataclass(frozen=True)
+class CheckResult:
+    """One check: its sides, its decided `comparison`, and the float64 `truth` and the precision
+    contract's `model` it was judged against (None where it had none)."""
+
+    sides: Sides
+    comparison: Comparison
+    truth: np.ndarray | None = None
+    model: np.ndarray | None = None
+
+
+class CheckRunner:
+    """Computes and decides checks under `policy`, calling the implementation through `calls`; the long
+    cases' windows are kept in `position_profiles`, by check id."""
 
     def __init__(
         self,
@@ -70,65 +95,82 @@ class CheckRunner(ImplementationCalls):
         options: Mapping[str, str] | None = None,
         watchdog: CallWatchdog | None = None,
     ):
-        super().__init__(dumps, adapter_class, kernel, options, watchdog)
+        self.dumps = dumps
+        self.calls = ImplementationCalls(dumps, adapter_class, kernel, options, watchdog)
         self.policy = policy
         self.position_profiles: dict[str, PositionProfile] = {}
+        self._derived = Memo()  # what the current case's dump alone gives: truths, models
+        self._derived_case: CaseData | None = None
 
-    def forget_implementation_results(self) -> None:
-        """Forget the implementation's results of the current case (its adapter changed), keeping what the
-        case's dump alone gives (`CASE_DERIVED`)."""
-        self._memo = {key: value for key, value in self._memo.items() if key[0] in CASE_DERIVED}
+    def case(self, case_id: str) -> CaseData:
+        return self._on(self.calls.case(case_id))
+
+    def use_case(self, case: CaseData) -> None:
+        """Judge the next checks on `case`, one the dump does not hold (`ImplementationCalls.use_case`)."""
+        self.calls.use_case(case)
+        self._on(case)
+
+    def _on(self, case: CaseData) -> CaseData:
+        if case is not self._derived_case:
+            self._derived.clear()
+            self._derived_case = case
+        return case
 
     # --------------------------------------------------------------------------------------- checks
 
-    def run(self, spec: CheckSpec) -> Comparison:
-        """Compute and compare one check; `CheckSkipped` when it cannot run."""
+    def run(self, spec: CheckSpec) -> CheckResult:
+        """Compute and decide one check; `CheckSkipped` when it cannot run."""
         case = self.case(spec.case_id)
         if not case.has_dtype(spec.dtype):
             raise CheckSkipped(f"the dump has no {spec.dtype} run (no {fmt.result_key('out', spec.dtype)})")
         if spec.check in POSITION_CHECKS:
             return self.by_position(case, spec)
-        actual, expected, axes, positions = self.pair(case, spec)
-        return self.compare(case, spec, np.asarray(actual), expected, axes, positions)
+        return self.judge(case, spec, self.sides(case, spec))
 
-    def compare(
+    def measure(self, case: CaseData, spec: CheckSpec, sides: Sides) -> Measurement:
+        """`sides` measured under the check's tolerance and the policy's minimum-tokens rule."""
+        policy = self.policy
+        return measure(
+            sides.actual, sides.expected, policy.tolerance(spec.check, spec.dtype), policy.rfc[spec.dtype],
+            sides.axes, dict(sides.positions), case.info.seq_lens, policy.min_tokens,
+        )  # fmt: skip
+
+    def judge(
         self,
         case: CaseData,
         spec: CheckSpec,
-        actual: np.ndarray,
-        expected: np.ndarray,
-        axes: tuple[str, ...],
-        positions: dict,
+        sides: Sides,
         truth: Callable[[], tuple[np.ndarray, str]] | None = None,
-    ) -> Comparison:
-        """`actual` against `expected` under the check's tolerance, both against the check's float64
-        truth where there is one, decided by the check's gate mode. `truth` gives (truth, source) in
-        place of the check's own (or raises `NoTruth`)."""
-        tolerance = self.policy.tolerance(spec.check, spec.dtype)
-        rfc, min_tokens = self.policy.rfc[spec.dtype], self.policy.min_tokens
-        measured = measure(actual, expected, tolerance, rfc, axes, positions, case.info.seq_lens, min_tokens)
+    ) -> CheckResult:
+        """`sides` measured under the check's tolerance, both against the check's float64 truth where
+        there is one, decided by the check's gate mode. `truth` gives (truth, source) in place of the
+        check's own (or raises `NoTruth`)."""
+        measured = self.measure(case, spec, sides)
         mode = self.policy.mode(spec.check, spec.dtype)
         if not measured.usable:
-            return judge(measured, mode, None, "nothing compared")
+            return CheckResult(sides, judge(measured, mode))
         try:
-            truth_value, source = truth() if truth else self.truth(case, spec, positions)
+            truth_value, source = truth() if truth else self.truth(case, spec, sides)
         except NoTruth as missing:
-            return judge(measured, mode, None, str(missing))
-        limits = self.relative_limits(spec.check, spec.dtype, truth_value, axes)
-        attribution = attribute(actual, expected, truth_value, source, tolerance, limits, measured.apart)
+            return CheckResult(sides, judge(measured, mode, no_truth=str(missing)))
+        tolerance = measured.tolerance
+        limits = self.relative_limits(spec.check, spec.dtype, truth_value, sides.axes)
+        attribution = attribute(
+            sides.actual, sides.expected, truth_value, source, tolerance, limits, measured.out_of_tolerance
+        )
         if mode != CONTRACT_MODE:
             judged = judge(measured, mode, attribution)
-            if judged.passed or attribution.verdict != "impl" or spec.dtype != "fp32":
-                return judged
-            diagnosis = self.matmul_diagnosis(case, spec, actual, truth_value, positions)
-            return dataclasses.replace(judged, matmul_diagnosis=diagnosis)
+            if not (judged.passed or attribution.blame != "impl" or spec.dtype != "fp32"):
+                diagnosis = self.matmul_diagnosis(case, spec, sides, truth_value)
+                judged = dataclasses.replace(judged, matmul_diagnosis=diagnosis)
+            return CheckResult(sides, judged, truth_value)
         try:
-            contract = self.contract(
-                case, spec, actual, expected, truth_value, attribution, positions, measured.gating
-            )
+            contract, model = self.contract(case, spec, sides, truth_value, attribution.impl.nrmse, measured)
         except NoTruth as missing:
-            return judge(measured, mode, attribution, no_contract=str(missing))
-        return judge(measured, mode, attribution, contract=contract)
+            return CheckResult(
+                sides, judge(measured, mode, attribution, no_contract=str(missing)), truth_value
+            )
+        return CheckResult(sides, judge(measured, mode, attribution, contract=contract), truth_value, model)
 
     def relative_limits(
         self, check: str, dtype: str, truth: np.ndarray, axes: tuple[str, ...]
@@ -145,7 +187,7 @@ class CheckRunner(ImplementationCalls):
         )
 
     def matmul_diagnosis(
-        self, case: CaseData, spec: CheckSpec, actual: np.ndarray, truth: np.ndarray, positions: dict
+        self, case: CaseData, spec: CheckSpec, sides: Sides, truth: np.ndarray
     ) -> MatmulDiagnosis | None:
         """Which reduced-precision matmul a failing fp32 layer result matches, if any
         (`conformance.judging.matmul_diagnosis`); None for a kernel check (its inputs are the dump's)."""
@@ -155,86 +197,79 @@ class CheckRunner(ImplementationCalls):
         models = {}
         for model in MATMUL_MODELS:
             try:
-                results = self._memoized(
+                results = self._derived.get(
                     ("matmul-model", model.name),
                     lambda bits=model.mantissa_bits: computed_matmul_model(
-                        case, self.weights(), self.dumps.config, bits
+                        case, self.dumps.weights(), self.dumps.config, bits
                     ),
                 )
             except NoTruth:
                 return None
             if name in results:
-                models[model.name] = (
-                    results[name][positions["token"]] if "token" in positions else results[name]
-                )
-        return diagnose(actual, truth, models)
+                models[model.name] = sides.rows_of(results[name])
+        return diagnose(sides.actual, truth, models)
 
     def contract(
         self,
         case: CaseData,
         spec: CheckSpec,
-        actual: np.ndarray,
-        expected: np.ndarray,
+        sides: Sides,
         truth: np.ndarray,
-        attribution: Attribution,
-        positions: dict,
-        gating: StatisticRows,
-    ) -> ContractCheck:
+        impl_truth_nrmse: float,
+        measured: Measurement,
+    ) -> tuple[ContractCheck, np.ndarray]:
         """The check's two sides against the bf16 precision contract's float64 model of its result (and
-        the model against the check's `truth`, whose `attribution` holds the implementation's error),
-        under the minimum-tokens rule's `gating` of the result; `NoTruth` when there is none (a kernel
-        check, a result the model lacks)."""
-        model = self.contract_model(case, spec, positions)
+        the model against the check's `truth`, beside the implementation's nRMSE against it), under the
+        minimum-tokens rule of `measured`; with the model. `NoTruth` when there is none (a kernel check,
+        a result the model lacks)."""
+        model = self.contract_model(case, spec, sides)
         limits, fp32_stage = self.policy.contract, truth_name(spec.check) in FP32_STAGES
-        impl_error = attribution.impl.nrmse
         check = contract_check(
-            actual, expected, model, truth, impl_error, CONTRACT_SOURCE, limits, fp32_stage, gating
-        )
-        if check.fixed_limits_hold:
-            return check
-        return check.with_spread(self.contract_model(case, spec, positions, spread=True), model)
+            sides.actual, sides.expected, model, truth, impl_truth_nrmse, CONTRACT_SOURCE, limits, fp32_stage,
+            measured.gating,
+        )  # fmt: skip
+        if not check.fixed_limits_hold:
+            check = check.with_spread(self.contract_model(case, spec, sides, spread=True), model)
+        return check, model
 
     def contract_model(
-        self, case: CaseData, spec: CheckSpec, positions: dict, spread: bool = False
+        self, case: CaseData, spec: CheckSpec, sides: Sides, spread: bool = False
     ) -> np.ndarray:
-        """The bf16 precision contract's float64 model of the check's result (its rows at `positions`), or
-        with `spread` the model with its rounded values moved by one fp32 ulp first
-        (`computed_contract_model`); `NoTruth` when there is none (a kernel check, a result the model of a
-        long case lacks)."""
+        """The bf16 precision contract's float64 model of the check's result (at its rows), or with
+        `spread` the model with its rounded values moved by one fp32 ulp first (`computed_contract_model`);
+        `NoTruth` when there is none (a kernel check, a result the model of a long case lacks)."""
         if spec.check in KERNEL_CHECKS:
             raise NoTruth("the precision contract has no rounding point inside the kernels")
         name = truth_name(spec.check)
-        models = self._memoized(
+        models = self._derived.get(
             ("contract-model", spec.dtype, spread),
-            lambda: computed_contract_model(case, self.weights(), self.dumps.config, spread),
+            lambda: computed_contract_model(case, self.dumps.weights(), self.dumps.config, spread),
         )
         if name not in models:
             raise not_computed(case, name, "the precision contract's model")
-        return models[name][positions["token"]] if "token" in positions else models[name]
+        return sides.rows_of(models[name])
 
-    def by_position(self, case: CaseData, spec: CheckSpec) -> Comparison:
+    def by_position(self, case: CaseData, spec: CheckSpec) -> CheckResult:
         """A long case's output (its prefill, or its prefill then decode steps) against the reference and
         the float64 truth window by window, gated by the relative gate in every window."""
         dtype, decode_steps = spec.dtype, case.info.decode_steps
         if spec.check == DECODE_POSITIONS:
-            actual, _ = self.decode_full(case, dtype, decode_steps)
+            actual, _ = self.calls.decode_full(case, dtype, decode_steps)
         else:
-            actual = np.asarray(self.layer(case, dtype).out)
-        expected = self._expected(case, "out", dtype)
+            actual = np.asarray(self.calls.layer(case, dtype).out)
+        sides = Sides(actual, self._expected(case, "out", dtype), _OUT_AXES)
         try:
             truth, source = self.layer_truth(case, "out", dtype)
         except NoTruth as missing:
             raise CheckSkipped(f"{missing}: the error by position is measured against it") from None
-        tolerance = self.policy.tolerance(spec.check, dtype)
-        rfc, min_tokens = self.policy.rfc[dtype], self.policy.min_tokens
-        measured = measure(actual, expected, tolerance, rfc, _OUT_AXES, {}, case.info.seq_lens, min_tokens)
+        measured = self.measure(case, spec, sides)
         if not measured.usable:
-            return judge(measured, self.policy.mode(spec.check, dtype), None, "nothing compared")
+            return CheckResult(sides, judge(measured, self.policy.mode(spec.check, dtype)))
         profile = position_profile(
-            actual,
-            expected,
+            sides.actual,
+            sides.expected,
             truth,
-            tolerance,
+            measured.tolerance,
             self.relative_limits(spec.check, dtype, truth, _OUT_AXES),
             case_id=case.info.case_id,
             dtype=dtype,
@@ -242,17 +277,16 @@ class CheckRunner(ImplementationCalls):
             decode_from=case.info.total_tokens - decode_steps if spec.check == DECODE_POSITIONS else None,
         )
         self.position_profiles[spec.id] = profile
-        return judge_by_windows(measured, profile, source)
+        return CheckResult(sides, judge_by_windows(measured, profile, source), truth)
 
-    def truth(self, case: CaseData, spec: CheckSpec, positions: dict) -> tuple[np.ndarray, str]:
-        """The check's float64 truth and where it comes from; `NoTruth` when there is none."""
+    def truth(self, case: CaseData, spec: CheckSpec, sides: Sides) -> tuple[np.ndarray, str]:
+        """The check's float64 truth (at its rows) and where it comes from; `NoTruth` when there is none."""
         if spec.check in KERNEL_CHECKS:
             o, state = self.kernel_truth(case, spec.dtype)
             value, source = (o if KERNEL_CHECKS[spec.check][1] == "o" else state), KERNEL_TRUTH_SOURCE
         else:
             value, source = self.layer_truth(case, truth_name(spec.check), spec.dtype)
-            if "token" in positions:
-                value = value[positions["token"]]
+            value = sides.rows_of(value)
         if not np.all(np.isfinite(value)):
             raise NoTruth(f"the truth ({source}) holds NaN/Inf values")
         return value, source
@@ -267,9 +301,9 @@ class CheckRunner(ImplementationCalls):
             pass
 
         def compute() -> dict[str, np.ndarray]:
-            return computed_layer_truth(case, dtype, self.weights(), self.dumps.config)
+            return computed_layer_truth(case, dtype, self.dumps.weights(), self.dumps.config)
 
-        computed = self._memoized(("layer-truth", dtype), compute)
+        computed = self._derived.get(("layer-truth", dtype), compute)
         if name not in computed:
             raise not_computed(case, name, "the truth computed here")
         return computed[name], COMPUTED_LAYER_TRUTH_SOURCE
@@ -289,47 +323,47 @@ class CheckRunner(ImplementationCalls):
             q, k, v, g, beta = (self._expected(case, name, dtype) for name in KERNEL_INPUTS)
             return recurrence_fp64(l2norm(q), l2norm(k), v, g, beta, case.cu_seqlens, case.initial_state)
 
-        return self._memoized(("kernel-truth", dtype), compute)
+        return self._derived.get(("kernel-truth", dtype), compute)
 
-    def pair(self, case: CaseData, spec: CheckSpec) -> tuple[Any, np.ndarray, tuple[str, ...], dict]:
-        """(result, reference, axis names, positions) of one check."""
+    def sides(self, case: CaseData, spec: CheckSpec) -> Sides:
+        """The implementation's result and the reference of one check."""
         check, dtype = spec.check, spec.dtype
         if check == "layer":
-            return self.layer(case, dtype).out, self._expected(case, "out", dtype), _OUT_AXES, {}
+            return Sides(self.calls.layer(case, dtype).out, self._expected(case, "out", dtype), _OUT_AXES)
         if check == "layer-state":
-            state = self.layer(case, dtype).final_state
-            if state is None:
-                raise CheckSkipped(f"adapter {self.adapter(dtype).name!r} returns no final recurrent state")
-            reference = self._expected(case, f"recurrent_state_{case.info.layer_kernel_path}", dtype)
-            return state, reference, _STATE_AXES, {}
+            return self._state_sides(case, dtype, self.calls.layer(case, dtype).final_state)
         if check in KERNEL_CHECKS:
             path, which = KERNEL_CHECKS[check]
-            o, state = self.kernel_on_dump(case, dtype, path)
+            o, state = self.calls.kernel_on_dump(case, dtype, path)
             if which == "o":
-                return o, self._expected(case, f"o_kda_{path}", dtype), _HEAD_AXES, {}
-            return state, self._expected(case, f"recurrent_state_{path}", dtype), _STATE_AXES, {}
+                return Sides(o, self._expected(case, f"o_kda_{path}", dtype), _HEAD_AXES)
+            return Sides(state, self._expected(case, f"recurrent_state_{path}", dtype), _STATE_AXES)
         if check in fmt.INTERMEDIATE_KEYS:
             reference = self._expected(case, check, dtype)
-            value = self.layer(case, dtype).intermediates.get(check)
+            value = self.calls.layer(case, dtype).intermediates.get(check)
             if value is None:
-                raise CheckSkipped(f"adapter {self.adapter(dtype).name!r} does not expose {check!r}")
-            return value, reference, _HEAD_AXES[: reference.ndim], {}
+                raise CheckSkipped(f"adapter {self.calls.adapter(dtype).name!r} does not expose {check!r}")
+            return Sides(np.asarray(value), reference, _HEAD_AXES[: reference.ndim])
         if check.startswith("decode-"):
-            decoded, token_rows = self.decode(case, dtype, decode_run(check))
+            decoded, token_rows = self.calls.decode(case, dtype, decode_run(check))
             if check.endswith("-self"):
-                reference = np.asarray(self.layer(case, dtype).out)[token_rows]
+                reference = np.asarray(self.calls.layer(case, dtype).out)[token_rows]
             else:
                 reference = self._expected(case, "out", dtype)[token_rows]
-            return decoded, reference, _OUT_AXES, {"token": token_rows}
+            return Sides(decoded, reference, _OUT_AXES, {"token": token_rows})
         if check.startswith("chunked-prefill"):
-            out, state = self.chunked_prefill(case, dtype)
+            out, state = self.calls.chunked_prefill(case, dtype)
             if check == "chunked-prefill":
-                return out, self._expected(case, "out", dtype), _OUT_AXES, {}
-            if state is None:
-                raise CheckSkipped(f"adapter {self.adapter(dtype).name!r} returns no final recurrent state")
-            reference = self._expected(case, f"recurrent_state_{case.info.layer_kernel_path}", dtype)
-            return state, reference, _STATE_AXES, {}
+                return Sides(out, self._expected(case, "out", dtype), _OUT_AXES)
+            return self._state_sides(case, dtype, state)
         raise ValueError(f"unknown check {check!r}")
+
+    def _state_sides(self, case: CaseData, dtype: str, state: np.ndarray | None) -> Sides:
+        """A final state of the layer against the dump's state of the layer's kernel path."""
+        if state is None:
+            raise CheckSkipped(f"adapter {self.calls.adapter(dtype).name!r} returns no final recurrent state")
+        reference = self._expected(case, f"recurrent_state_{case.info.layer_kernel_path}", dtype)
+        return Sides(np.asarray(state), reference, _STATE_AXES)
 
     @staticmethod
     def _expected(case: CaseData, name: str, dtype: str) -> np.ndarray:

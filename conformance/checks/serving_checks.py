@@ -4,7 +4,7 @@ Per scenario and dtype (ids `<set>-<dtype>-serving-<scenario>[-<kind>]`, `<set>`
 scenario file's stem):
 - `serving-<s>`: every request's outputs over its life against the same implementation running that
   request alone (one `layer_extend` of its tokens from zero states) and against the float64 truth of
-  that request alone (`kda_spec.truth`), judged as every layer check is (`CheckRunner.compare`);
+  that request alone (`kda_spec.truth`), judged as every layer check is (`CheckRunner.judge`);
 - `serving-<s>-state`: every request's final recurrent state, the same way;
 - `serving-<s>-conv`: every request's final conv state against its run alone (no float64 truth of
   it: the absolute gate);
@@ -22,18 +22,20 @@ import numpy as np
 
 from conformance.adapter import LayerResult
 from conformance.checks.catalogue import CheckSkipped, CheckSpec
-from conformance.checks.runner import CheckRunner
+from conformance.checks.memo import Memo
+from conformance.checks.runner import CheckResult, CheckRunner, Sides
 from conformance.checks.sequences import offsets
 from conformance.checks.serving_run import HiddenStatistics, ServingRun, run_scenario, scenario_inputs
 from conformance.checks.serving_scenarios import Scenario
 from conformance.dumps.reader import CaseData, CaseInfo
-from conformance.judging.comparison import Comparison, judge
-from conformance.judging.measurement import Measurement, measure
+from conformance.judging.comparison import judge
+from conformance.judging.measurement import measure
 from conformance.judging.tolerances import Tolerance
 
 SERVING_PREFIX = "serving-"
 _OUT_AXES = ("token", "channel")
 _STATE_AXES = ("seq", "head", "key", "value")
+_CONV_AXES = ("seq", "history", "channel")
 # Equal to the bit: half the smallest float32 step, so that any difference is out of it and none is in.
 BIT_EXACT = Tolerance(
     atol=float(np.finfo(np.float32).smallest_subnormal) / 2, rtol=0.0, reason="the same values to the bit"
@@ -56,7 +58,7 @@ class ServingChecks:
             kinds = ["", "-state", "-conv", "-untouched"] + (["-identical"] if scenario.same_as else [])
             for kind in kinds:
                 self._checks[f"{SERVING_PREFIX}{scenario.name}{kind}"] = (scenario, kind)
-        self._memo: dict[tuple[Any, ...], tuple[bool, Any]] = {}
+        self._memo = Memo()
         self._cases: dict[str, CaseData] = {}
 
     def plan(self, dtypes: Sequence[str]) -> list[CheckSpec]:
@@ -69,7 +71,7 @@ class ServingChecks:
             if owner is scenario
         ]
 
-    def run(self, spec: CheckSpec) -> Comparison:
+    def run(self, spec: CheckSpec) -> CheckResult:
         """Compute and decide one serving check; `CheckSkipped` when it cannot run."""
         scenario, kind = self._checks[spec.check]
         run = self._run(scenario, spec.dtype)
@@ -92,9 +94,11 @@ class ServingChecks:
             conv = [result.intermediates.get("final_conv_state") for result in alone]
             if any(value is None for value in conv):
                 raise CheckSkipped("the adapter's layer_extend exposes no final_conv_state to compare with")
-            actual = np.stack([run.conv[name] for name in names])
-            measured = self._measure(spec, actual, np.concatenate(conv), ("seq", "history", "channel"), case)
-            return judge(measured, "absolute", None, "no float64 truth of the conv state")
+            sides = Sides(np.stack([run.conv[name] for name in names]), np.concatenate(conv), _CONV_AXES)
+            measured = self.runner.measure(case, spec, sides)
+            return CheckResult(
+                sides, judge(measured, "absolute", no_truth="no float64 truth of the conv state")
+            )
         if kind == "-state":
             if any(result.final_state is None for result in alone):
                 raise CheckSkipped("the adapter's layer_extend returns no final state to compare with")
@@ -106,30 +110,26 @@ class ServingChecks:
             expected = np.concatenate([result.out for result in alone])
             axes = _OUT_AXES
         self.runner.use_case(case)
-        return self.runner.compare(case, spec, actual, expected, axes, {})
+        return self.runner.judge(case, spec, Sides(actual, expected, axes))
 
     # ------------------------------------------------------------------------------------- results
 
     def _memoized(self, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
-        """compute() once; a failure too, raised afresh to every check that needs it."""
-        if key not in self._memo:
+        """compute() once (`Memo`); an adapter without a serving path (NotImplementedError) skips."""
+
+        def skipping() -> Any:
             try:
-                self._memo[key] = (True, compute())
+                return compute()
             except NotImplementedError as err:
-                self._memo[key] = (False, CheckSkipped(str(err) or "the adapter has no serving path"))
-            except Exception as err:
-                self._memo[key] = (False, err)
-        ok, value = self._memo[key]
-        if ok:
-            return value
-        raise value.fresh() if hasattr(value, "fresh") else type(value)(*value.args)
+                raise CheckSkipped(str(err) or "the adapter has no serving path") from None
+
+        return self._memo.get(key, skipping)
 
     def _run(self, scenario: Scenario, dtype: str) -> ServingRun:
         def compute() -> ServingRun:
-            self.runner.adapter(dtype)  # built (or its fault raised) first
+            guarded = self.runner.calls.guarded(dtype)  # built (or its fault raised) first
             config = self.runner.dumps.config
             inputs = scenario_inputs(scenario, self._statistics(), config.hidden_size, dtype)
-            guarded = self.runner._guarded[dtype]
             return run_scenario(guarded, scenario, inputs, self._statistics(), config, dtype)
 
         return self._memoized(("run", scenario.name, dtype), compute)
@@ -141,7 +141,7 @@ class ServingChecks:
             config = self.runner.dumps.config
             tokens = scenario.request_tokens[name]
             x = self._statistics().draw(f"request {name}", tokens, config.hidden_size, dtype)
-            return self.runner._extend(dtype, x, offsets([tokens]), None)
+            return self.runner.calls.extend(dtype, x, offsets([tokens]), None)
 
         return self._memoized(("alone", name, scenario.request_tokens[name], dtype), compute)
 
@@ -164,25 +164,13 @@ class ServingChecks:
             self._cases[scenario.name] = CaseData(info, {"hidden_states": x, "cu_seqlens": offsets(lens)})
         return self._cases[scenario.name]
 
-    def _measure(
-        self,
-        spec: CheckSpec,
-        actual: np.ndarray,  # [R, W-1, 3P]
-        expected: np.ndarray,  # [R, W-1, 3P]
-        axes: tuple[str, ...],
-        case: CaseData,
-    ) -> Measurement:
-        policy = self.runner.policy
-        tolerance = policy.tolerance(spec.check, spec.dtype)
-        return measure(actual, expected, tolerance, policy.rfc[spec.dtype], axes, {}, case.info.seq_lens,
-                       policy.min_tokens)  # fmt: skip
-
 
 def _bit_exact(
     actual: np.ndarray,  # [n] or [T, hidden]
     expected: np.ndarray,  # the same shape
     what: str,
-) -> Comparison:
+) -> CheckResult:
     """`actual` against `expected`, every element equal (atol = rtol = 0)."""
     measured = measure(actual, expected, BIT_EXACT, BIT_EXACT)
-    return judge(measured, "absolute", None, f"bit-exact against {what}: no float64 truth applies")
+    no_truth = f"bit-exact against {what}: no float64 truth applies"
+    return CheckResult(Sides(actual, expected, ()), judge(measured, "absolute", no_truth=no_truth))

@@ -4,16 +4,12 @@ gain, and the contract's criteria (docs/tolerance-policy.md, "The precision cont
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import numpy as np
 
-from conformance.judging.measurement import (
-    StatisticRows,
-    normalised_rmse,
-)
+from conformance.judging.measurement import MinTokensRule, normalised_rmse
 from conformance.judging.tolerances import ContractLimits
-from conformance.judging.verdict import Criterion, unmet, worst_ratio
+from conformance.judging.verdict import Criterion
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,9 +20,6 @@ class ContractError:
 
     nrmse: float
     gain: float
-
-    def as_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
 
 
 def error_vs_contract(x: np.ndarray, model: np.ndarray) -> ContractError:
@@ -54,7 +47,7 @@ class ContractCheck:
     reference: ContractError
     limits: ContractLimits
     fp32_stage: bool  # the contract keeps this result in fp32 (g, beta, states): the tighter nRMSE limit
-    gating: StatisticRows  # the minimum-tokens rule on the result
+    gating: MinTokensRule  # the minimum-tokens rule on the result
     impl_truth_nrmse: float  # the implementation's nRMSE against the float64 truth
     model_truth_nrmse: float  # the model's own: what the contract's roundings cost
     # The model with every near-tie rounded the other way, against the model: how far one-ulp flips carry
@@ -107,7 +100,7 @@ class ContractCheck:
     @property
     def fixed_limits_hold(self) -> bool:
         """The implementation holds the contract's fixed limits (its model's spread is not needed)."""
-        return not unmet(dataclasses.replace(self, spread=None).criteria)
+        return all(criterion.holds for criterion in dataclasses.replace(self, spread=None).criteria)
 
     @property
     def closer(self) -> bool:
@@ -117,38 +110,6 @@ class ContractCheck:
     @property
     def max_nrmse(self) -> float:
         return self.limits.max_nrmse_of(self.fp32_stage)
-
-    @property
-    def gated(self) -> bool:
-        """The minimum-tokens rule lets the contract decide."""
-        return self.gating.applies
-
-    @property
-    def failures(self) -> list[str]:
-        return unmet(self.criteria)
-
-    @property
-    def ratio(self) -> float:
-        """The larger criterion as a share of its limit (<= 1 holds); 0 where it is not gated or exempt."""
-        return worst_ratio(self.criteria)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "available": True,
-            "source": self.source,
-            "impl": self.impl.as_dict(),
-            "reference": self.reference.as_dict(),
-            "limits": self.limits.as_dict(),
-            "fp32_stage": self.fp32_stage,
-            **self.gating.criterion_fields(),
-            "gated": self.gating.applies,
-            "truth_nrmse": {"impl": self.impl_truth_nrmse, "model": self.model_truth_nrmse},
-            "closer": self.closer,
-            "spread": None if self.spread is None else self.spread.as_dict(),
-            "max_nrmse": self.max_nrmse,
-            "ratio": self.ratio,
-            "failures": self.failures,
-        }
 
 
 def contract_check(
@@ -160,7 +121,7 @@ def contract_check(
     source: str,
     limits: ContractLimits,
     fp32_stage: bool,
-    gating: StatisticRows,
+    gating: MinTokensRule,
 ) -> ContractCheck:
     """Both sides of a check against the contract's float64 `model` (where it comes from: `source`), over
     the rows `gating` selects (all of them where it selects none: reported, not gated); the model against
@@ -179,6 +140,6 @@ def contract_check(
     )
 
 
-def _selected(gating: StatisticRows) -> np.ndarray | slice:
+def _selected(gating: MinTokensRule) -> np.ndarray | slice:
     """The rows the minimum-tokens rule selects, or all of them where it selects none."""
     return gating.rows if gating.rows.any() else slice(None)

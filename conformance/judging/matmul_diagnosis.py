@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
@@ -68,16 +67,6 @@ class MatmulDiagnosis:
             f"the errors match {self.model.means} (nRMSE {self.nrmse_vs_model:.2g} against that model, "
             f"{self.nrmse_vs_truth:.2g} against the truth): {self.model.fix}"
         )
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model.name,
-            "means": self.model.means,
-            "fix": self.model.fix,
-            "nrmse_vs_model": self.nrmse_vs_model,
-            "nrmse_vs_truth": self.nrmse_vs_truth,
-            "text": self.text(),
-        }
 
 
 def diagnose(

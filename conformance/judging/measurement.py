@@ -15,7 +15,7 @@ from conformance.judging.verdict import Criterion
 
 
 @dataclasses.dataclass(frozen=True)
-class StatisticRows:
+class MinTokensRule:
     """The policy's minimum-tokens rule on one result: a whole-output statistic held to a fixed limit
     (the bf16 gate's nRMSE, the precision contract's nRMSE and gain) decides over the `rows` of the
     result's leading axis that at least `min_tokens` tokens produced, and decides at all where `tokens`
@@ -34,9 +34,9 @@ class StatisticRows:
         return {"tokens": self.tokens, "min_tokens": self.min_tokens}
 
 
-def statistic_rows(
+def min_tokens_rule(
     axes: tuple[str, ...], rows: int, seq_lens: Sequence[int] | None, min_tokens: int
-) -> StatisticRows:
+) -> MinTokensRule:
     """The minimum-tokens rule for a result of `rows` entries along its leading axis `axes[0]`: a
     per-token result (`token`) counts its rows, and applies whole; a per-sequence one (`seq`: states)
     counts each sequence's own tokens (`seq_lens`) and applies over the sequences long enough; any other
@@ -45,9 +45,9 @@ def statistic_rows(
         if len(seq_lens) != rows:
             raise ValueError(f"{len(seq_lens)} sequence lengths for a result of {rows} sequences")
         lens = np.asarray(seq_lens, np.int64)
-        return StatisticRows(lens >= min_tokens, int(lens.max()), min_tokens)
+        return MinTokensRule(lens >= min_tokens, int(lens.max()), min_tokens)
     tokens = rows if axes[:1] == ("token",) else min_tokens
-    return StatisticRows(np.full(rows, tokens >= min_tokens), tokens, min_tokens)
+    return MinTokensRule(np.full(rows, tokens >= min_tokens), tokens, min_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Measurement:
 
     margin: worst `|a - b| / (atol + rtol * |b|)` (<= 1 is within the tolerance element-wise);
     nrmse: fla's normalised RMSE `‖a - b‖₂ / ‖b‖₂`; worst: the element that sets the margin.
-    gating: the minimum-tokens rule on the result (`statistic_rows`); gated_nrmse: the nRMSE over the
+    gating: the minimum-tokens rule on the result (`min_tokens_rule`); gated_nrmse: the nRMSE over the
     rows it selects, where the tolerance has an nRMSE limit (None: none, or no row selected). rfc: the
     element-wise numbers under the RFC's
     tolerance, reported beside the verdict. `unusable` says why nothing could be compared (a shape
@@ -74,7 +74,7 @@ class Measurement:
     worst: dict[str, Any]
     tolerance: Tolerance
     rfc: dict[str, Any]
-    gating: StatisticRows
+    gating: MinTokensRule
     gated_nrmse: float | None = None
     unusable: str | None = None
 
@@ -88,21 +88,22 @@ class Measurement:
         return self.tolerance.max_nrmse is not None and self.gating.applies
 
     @property
-    def apart(self) -> bool:
+    def out_of_tolerance(self) -> bool:
         """The two sides are out of the check's element-wise tolerance of each other (NaN included)."""
         return self.n_outside > 0
 
     @property
-    def finite_criterion(self) -> Criterion:
-        """No NaN or Inf in the result, whichever gate decides."""
-        detail = f"{self.nonfinite} NaN/Inf value(s) in the result"
-        return Criterion("finite", "NaN/Inf values in the result", self.nonfinite, 0.0, detail=detail)
-
-    @property
-    def absolute_criteria(self) -> tuple[Criterion, ...]:
-        """The absolute gate: every element within the tolerance (margin <= 1) and, where the tolerance
-        has one, the nRMSE within `max_nrmse` under the minimum-tokens rule."""
+    def criteria(self) -> tuple[Criterion, ...]:
+        """No NaN or Inf in the result (`finite`, whichever gate decides), and the absolute gate: every
+        element within the tolerance (margin <= 1) and, where the tolerance has one, the nRMSE within
+        `max_nrmse` under the minimum-tokens rule; none for a measurement that is not usable."""
+        if not self.usable:
+            return ()
         tol = self.tolerance
+        finite = Criterion(
+            "finite", "NaN/Inf values in the result", self.nonfinite, 0.0,
+            detail=f"{self.nonfinite} NaN/Inf value(s) in the result",
+        )  # fmt: skip
         where = ", ".join(f"{name} {i}" for name, i in self.worst.get("index", {}).items())
         got, expected = self.worst.get("actual", math.nan), self.worst.get("expected", math.nan)
         outside = (
@@ -110,7 +111,7 @@ class Measurement:
             f"outside {tol.atol:g} + {tol.rtol:g}*|ref|; worst at {where}: got {got:.6g}, "
             f"expected {expected:.6g} (margin {self.margin:.3g})"
         )
-        criteria = [Criterion("absolute", "margin", self.margin, 1.0, detail=outside)]
+        criteria = [finite, Criterion("absolute", "margin", self.margin, 1.0, detail=outside)]
         if tol.max_nrmse is not None:
             nrmse = self.nrmse if self.gated_nrmse is None else self.gated_nrmse
             over = "" if nrmse == self.nrmse else f" over the sequences of >= {self.gating.min_tokens} tokens"
@@ -165,7 +166,7 @@ def measure(
     `axes` names the dimensions for the worst element's position; `positions` maps an axis to the
     original index of each of its entries, for results that are a selection of rows; `seq_lens` the
     tokens of each sequence, for a result over sequences (axis `seq`: states); `min_tokens` the
-    policy's minimum-tokens rule (`statistic_rows`), which decides what the nRMSE limit applies to.
+    policy's minimum-tokens rule (`min_tokens_rule`), which decides what the nRMSE limit applies to.
     """
     a = np.asarray(actual, dtype=np.float64)
     b = np.asarray(expected, dtype=np.float64)
@@ -186,7 +187,7 @@ def measure(
     names = axes if len(axes) == a.ndim else tuple(f"dim{i}" for i in range(a.ndim))
     positions = positions or {}
     nonzero = b != 0
-    gating = statistic_rows(names, a.shape[0], seq_lens, min_tokens)
+    gating = min_tokens_rule(names, a.shape[0], seq_lens, min_tokens)
     gated = tolerance.max_nrmse is not None and gating.rows.any()
     return Measurement(
         shape=a.shape,
@@ -232,6 +233,6 @@ def _unusable(shape: tuple[int, ...], tolerance: Tolerance, reason: str) -> Meas
         worst={},
         tolerance=tolerance,
         rfc={},
-        gating=StatisticRows(np.zeros(shape[:1] or (0,), bool), 0, 0),
+        gating=MinTokensRule(np.zeros(shape[:1] or (0,), bool), 0, 0),
         unusable=reason,
     )

@@ -22,7 +22,7 @@ from conformance.judging.attribution import Attribution, attribute
 from conformance.judging.comparison import Comparison, judge
 from conformance.judging.measurement import Measurement, elements_outside
 from conformance.judging.tolerances import RelativeLimits, Tolerance
-from conformance.judging.verdict import Criterion
+from conformance.judging.verdict import Criterion, worst_ratio
 from kda_spec.extras import MissingExtra, require
 
 WINDOW_TOKENS = 256
@@ -69,7 +69,7 @@ class Window:
 
     @property
     def passed(self) -> bool:
-        return not self.attribution.relative_failures
+        return all(criterion.holds for criterion in self.attribution.criteria)
 
     def row(self, decode_from: int | None) -> dict[str, Any]:
         a = self.attribution
@@ -85,9 +85,9 @@ class Window:
             "reference_margin": a.reference.margin,
             "impl_nrmse": a.impl.nrmse,
             "reference_nrmse": a.reference.nrmse,
-            "relative_ratio": a.relative_ratio,
+            "relative_ratio": worst_ratio(a.criteria),
             "passed": self.passed,
-            "verdict": a.verdict,
+            "verdict": a.blame,
         }
 
 
@@ -105,7 +105,7 @@ class PositionProfile:
     @property
     def worst(self) -> Window:
         """The window furthest over (or nearest to) the relative gate's limit."""
-        return max(self.windows, key=lambda w: np.nan_to_num(w.attribution.relative_ratio, nan=np.inf))
+        return max(self.windows, key=lambda w: np.nan_to_num(worst_ratio(w.attribution.criteria), nan=np.inf))
 
     @property
     def failed(self) -> list[Window]:
@@ -154,8 +154,8 @@ def position_profile(
     window_tokens: int = WINDOW_TOKENS,
 ) -> PositionProfile:
     """`actual` (the implementation's output [T, hidden]) and `expected` (the reference's) against their
-    float64 `truth`, window by window of tokens (rows). A window is `apart` when the two sides differ by
-    more than `tolerance` in it, as a whole check is (`attribution.attribute`)."""
+    float64 `truth`, window by window of tokens (rows). A window is out of tolerance when the two sides
+    differ by more than `tolerance` in it, as a whole check is (`attribution.attribute`)."""
     a, b, t = (np.asarray(x, np.float64) for x in (actual, expected, truth))
     if not a.shape == b.shape == t.shape or a.ndim < 1:
         raise ValueError(
@@ -165,9 +165,9 @@ def position_profile(
     windows = []
     for start, end in window_bounds(a.shape[0], window_tokens):
         rows = slice(start, end)
-        apart = elements_outside(a[rows], b[rows], tolerance) > 0
+        outside = elements_outside(a[rows], b[rows], tolerance) > 0
         attribution = attribute(
-            a[rows], b[rows], t[rows], f"out truth, tokens {start}-{end}", tolerance, limits, apart
+            a[rows], b[rows], t[rows], f"out truth, tokens {start}-{end}", tolerance, limits, outside
         )
         windows.append(Window(start, end, _rms(a[rows], t[rows]), _rms(b[rows], t[rows]), attribution))
     return PositionProfile(case_id, dtype, check, window_tokens, decode_from, tuple(windows))
@@ -197,7 +197,7 @@ def _with_windows(attribution: Attribution, windows: str, measured: Measurement)
     """The worst window's relative criteria, the first that fails prefixed with which windows fail; no
     prefix where the result holds NaN/Inf (the finite criterion says so, and every window fails by it)."""
     criteria, prefixed = [], measured.nonfinite > 0
-    for criterion in attribution.relative_criteria:
+    for criterion in attribution.criteria:
         if not criterion.holds and not prefixed:
             criterion, prefixed = (
                 dataclasses.replace(criterion, detail=f"{windows}: {criterion.statement()}"),
@@ -249,7 +249,7 @@ def markdown_lines(profiles: list[PositionProfile], picture: str) -> list[str]:
         first, last, worst = p.windows[0], p.windows[-1], p.worst
         lines.append(
             f"| {p.case_id} | {p.dtype} | {len(p.failed)} of {len(p.windows)} | {_errors(first)} | "
-            f"{_errors(last)} | {worst.start}-{worst.end} ({worst.attribution.relative_ratio:.3g}) |"
+            f"{_errors(last)} | {worst.start}-{worst.end} ({worst_ratio(worst.attribution.criteria):.3g}) |"
         )
     return [*lines, "", picture, ""]
 

@@ -9,17 +9,15 @@ where a floor comes from when it is not the policy's number alone (a reduction's
 
 A check records all its criteria, grouped by gate (`absolute`, `relative`, `contract`, and `finite`:
 no NaN or Inf, which decides every check); its gate mode says which gates decide (`MODE_GATES`), and
-`judged_by` which of those it has criteria for. The suite,
-`gate` (which rebuilds the criteria from a report), `diff`, `power` and the long cases' windows all
-decide with `decide`.
+`judged_by` which of those it has criteria for. The suite, `gate` (from a report's recorded criteria),
+`diff`, `power`, `search` and the long cases' windows all decide with `decide`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
 
 # `finite` (no NaN or Inf in the result) decides every check, whatever its mode.
 GATES = ("finite", "absolute", "relative", "contract")
@@ -30,7 +28,6 @@ MODE_GATES: dict[str, tuple[str, ...]] = {
     "absolute+relative": ("absolute", "relative"),
     "relative+contract": ("relative", "contract"),
 }
-_NUMBER_FIELDS = ("value", "factor", "reference", "floor")
 # What a failure of each gate's criteria is prefixed with.
 _FAILURE_PREFIX = {
     "finite": "",
@@ -104,77 +101,9 @@ class Criterion:
         bound = f"{self.factor:g}×{self.reference:.3g} + {self.floor:g}" if self.factor else f"{self.floor:g}"
         return f"{self.statistic} {self.value:.3g} > {bound}"
 
-    def text(self) -> str:
-        """What the criterion says when it does not hold: its detail, or `statement`."""
-        return self.detail or self.statement()
-
     def failure(self) -> str:
-        """`text`, after the gate it belongs to."""
-        return _FAILURE_PREFIX[self.gate] + self.text()
-
-    def as_dict(self) -> dict[str, Any]:
-        record = {
-            "gate": self.gate,
-            "statistic": self.statistic,
-            "value": self.value,
-            "factor": self.factor,
-            "reference": self.reference,
-            "floor": self.floor,
-            "bound": self.bound,
-            "tokens": self.tokens,
-            "min_tokens": self.min_tokens,
-            "applies": self.applies,
-            "holds": self.holds,
-        }
-        if self.detail:
-            record["detail"] = self.detail
-        if self.floor_source:
-            record["floor_source"] = self.floor_source
-        if not self.applies:
-            record["not_applied"] = self.why_not_applied()
-        if self.unless is not None:
-            record["unless"] = self.unless.as_dict()
-        return record
-
-    @classmethod
-    def from_dict(cls, record: Mapping[str, Any], label: str) -> Criterion:
-        """The criterion a report records (its derived fields — bound, applies, holds, not_applied —
-        recomputed, never read); a ValueError names the field at fault."""
-        if not isinstance(record, Mapping):
-            raise ValueError(f"{label}: a criterion must be an object, found {record!r}")
-        numbers = {name: _number(record, name, label) for name in _NUMBER_FIELDS}
-        counts = {name: _count(record, name, label) for name in ("tokens", "min_tokens")}
-        texts = {name: record.get(name, "") for name in ("gate", "statistic", "detail", "floor_source")}
-        for name, text in texts.items():
-            if not isinstance(text, str):
-                raise ValueError(f"{label}: criterion {name!r} must be a string, found {text!r}")
-        unless = record.get("unless")
-        try:
-            return cls(
-                **texts,
-                **numbers,
-                **counts,
-                unless=None if unless is None else cls.from_dict(unless, f"{label}: unless"),
-            )
-        except ValueError as err:
-            raise ValueError(f"{label}: {err}") from None
-
-
-def _number(record: Mapping[str, Any], name: str, label: str) -> float:
-    """A recorded number; report.json stores NaN and Inf as the strings 'nan', 'inf', '-inf'."""
-    value = record.get(name)
-    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
-        return float(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{label}: criterion {name!r} must be a number, found {value!r}")
-    return float(value)
-
-
-def _count(record: Mapping[str, Any], name: str, label: str) -> int:
-    value = record.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{label}: criterion {name!r} must be a whole number >= 0, found {value!r}")
-    return value
+        """What the criterion says when it does not hold: its detail, or `statement`, after its gate."""
+        return _FAILURE_PREFIX[self.gate] + (self.detail or self.statement())
 
 
 def judged_by(mode: str, criteria: Iterable[Criterion]) -> str:
@@ -193,29 +122,40 @@ def judged_by(mode: str, criteria: Iterable[Criterion]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-    """A check decided: the gates that decide it (`judged_by`) over all its `criteria`."""
+    """A check decided: the gates that decide it (`judged_by`) over all its `criteria`. Asked for some
+    `gates`, `failures`, `holds` and `ratio` speak of those gates' criteria, deciding or not."""
 
     judged_by: str
     criteria: tuple[Criterion, ...]
 
+    def of(self, *gates: str) -> tuple[Criterion, ...]:
+        """The criteria of `gates`; the deciding ones (`finite` and `judged_by`'s) when none is given."""
+        chosen = gates or ("finite", *MODE_GATES[self.judged_by])
+        return tuple(criterion for criterion in self.criteria if criterion.gate in chosen)
+
     @property
     def deciding(self) -> tuple[Criterion, ...]:
-        gates = ("finite", *MODE_GATES[self.judged_by])
-        return tuple(criterion for criterion in self.criteria if criterion.gate in gates)
+        return self.of()
 
     @property
     def passed(self) -> bool:
-        return all(criterion.holds for criterion in self.deciding)
+        return self.holds()
 
-    @property
-    def ratio(self) -> float:
-        """The largest deciding criterion as a share of its bound: <= 1 holds."""
-        return worst_ratio(self.deciding)
+    def holds(self, *gates: str) -> bool:
+        return all(criterion.holds for criterion in self.of(*gates))
 
-    def failures(self, gate: str | None = None) -> list[str]:
-        """The deciding criteria that do not hold (those of `gate`, deciding or not, when given)."""
-        chosen = self.deciding if gate is None else [c for c in self.criteria if c.gate == gate]
-        return [criterion.failure() for criterion in chosen if not criterion.holds]
+    def failures(self, *gates: str) -> list[str]:
+        """What each criterion of `gates` (the deciding ones by default) that does not hold says."""
+        return [criterion.failure() for criterion in self.of(*gates) if not criterion.holds]
+
+    def ratio(self, *gates: str) -> float:
+        """The largest criterion of `gates` (the deciding ones by default) as a share of its bound."""
+        return worst_ratio(self.of(*gates))
+
+
+def unmet(criteria: Iterable[Criterion]) -> list[str]:
+    """What each of `criteria` that does not hold says (its detail, or `statement`), without its gate."""
+    return [criterion.detail or criterion.statement() for criterion in criteria if not criterion.holds]
 
 
 def worst_ratio(criteria: Iterable[Criterion]) -> float:
@@ -224,11 +164,6 @@ def worst_ratio(criteria: Iterable[Criterion]) -> float:
     if any(math.isnan(ratio) for ratio in ratios):
         return math.nan
     return max(ratios, default=0.0)
-
-
-def unmet(criteria: Iterable[Criterion]) -> list[str]:
-    """What each of `criteria` that does not hold says (`Criterion.text`, without its gate's prefix)."""
-    return [criterion.text() for criterion in criteria if not criterion.holds]
 
 
 def decide(mode: str, criteria: Iterable[Criterion]) -> Verdict:

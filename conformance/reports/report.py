@@ -11,6 +11,7 @@ from typing import Any
 
 from conformance.checks.catalogue import CheckSpec
 from conformance.judging.comparison import Comparison
+from conformance.reports.check_record import metrics
 
 REPORT_FORMAT = "kda-conformance-report"
 REPORT_VERSION = 2
@@ -45,7 +46,7 @@ class Record:
             "message": self.message,
             "duration_s": round(self.duration_s, 4),
             "close_to_limit": self.close_to_limit(close_margin),
-            "metrics": None if self.comparison is None else self.comparison.as_dict(),
+            "metrics": None if self.comparison is None else metrics(self.comparison),
         }
 
 

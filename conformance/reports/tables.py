@@ -13,7 +13,7 @@ import rich.table
 import tabulate
 
 from conformance.checks.catalogue import GROUPS
-from conformance.judging.attribution import VERDICTS
+from conformance.judging.attribution import BLAMES
 from conformance.judging.tolerances import CONTRACT_MODE
 
 _TEXT_WIDTH = 240  # wide enough that a table row never wraps in a log
@@ -156,7 +156,7 @@ def attribution_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]
         "verdict",
         "impl vs contract",
     ]
-    body, counts = [], dict.fromkeys([*VERDICTS, "n/a"], 0)
+    body, counts = [], dict.fromkeys([*BLAMES, "n/a"], 0)
     for check in report["checks"]:
         metrics = check["metrics"]
         if not metrics:

@@ -2,7 +2,7 @@
 plain fp32 pipeline's own error on the same inputs.
 
 The case is written as a dump set in memory (`dumpcase.py`: the plain fp32 pipeline is its reference,
-the float64 layer its truth) and its checks are computed by the suite's own `CheckRunner` (`pair` for
+the float64 layer its truth) and its checks are computed by the suite's own `CheckRunner` (`sides` for
 the implementation's result and the reference, `truth` for the check's truth): the same calls of the
 adapter, the same replays of decode and chunked prefill, the same guard, as `conformance run` makes on
 the reproducer. The adapter is built once per weight set and dtype and reused for every case.
@@ -133,7 +133,7 @@ def judgement(
         nrmse=max(e.nrmse for e in errors),
         max_abs=max(e.max_abs for e in errors),
     )
-    ratio = decide("relative", relative_criteria(impl, base, limits)).ratio  # the suite's relative gate
+    ratio = decide("relative", relative_criteria(impl, base, limits)).ratio()  # the suite's relative gate
     return CheckJudgement(check, ratio, impl.margin, impl.nrmse, base.margin, base.nrmse)
 
 
@@ -179,9 +179,9 @@ class Judge:
         )
         key = (case.weights, case.dtype)
         if key in self._adapters:
-            runner.use_adapter(case.dtype, self._adapters[key])
+            runner.calls.use_adapter(case.dtype, self._adapters[key])
         else:
-            self._adapters[key] = runner.adapter(case.dtype)
+            self._adapters[key] = runner.calls.adapter(case.dtype)
         return runner
 
     def perturbed_pipeline(self, case: SearchCase) -> dict[str, np.ndarray]:
@@ -207,8 +207,8 @@ class Judge:
             for check in CHECKS:
                 spec = CheckSpec(CASE_ID, case.dtype, check)
                 try:
-                    actual, base, axes, positions = runner.pair(data, spec)
-                    truth, _ = runner.truth(data, spec, positions)
+                    sides = runner.sides(data, spec)
+                    truth, _ = runner.truth(data, spec, sides)
                 except (CheckSkipped, NoTruth) as why:
                     skipped[check] = str(why)
                     continue
@@ -216,14 +216,11 @@ class Judge:
                     inf = float("inf")
                     checks[check] = CheckJudgement(check, inf, inf, inf, 0.0, 0.0, fault=fault.message)
                     continue
-                bases = [base]
+                bases = [sides.expected]
                 if perturbed is not None and check not in KERNEL_CHECKS:
-                    other = perturbed[truth_name(check)]
-                    bases.append(other[positions["token"]] if "token" in positions else other)
-                limits = runner.relative_limits(check, case.dtype, truth, axes)
-                checks[check] = judgement(
-                    check, np.asarray(actual), bases, truth, self.policy, case.dtype, limits
-                )
+                    bases.append(sides.rows_of(perturbed[truth_name(check)]))
+                limits = runner.relative_limits(check, case.dtype, truth, sides.axes)
+                checks[check] = judgement(check, sides.actual, bases, truth, self.policy, case.dtype, limits)
         finally:
             fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
         return CaseVerdict(case, checks, skipped, time.perf_counter() - started)

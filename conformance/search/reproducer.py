@@ -19,6 +19,7 @@ from conformance.checks.catalogue import CheckSkipped, CheckSpec, plan
 from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
 from conformance.judging.tolerances import TolerancePolicy
+from conformance.reports.check_record import summary
 from conformance.search.dumpcase import CASE_ID
 from conformance.search.explore import Finding
 from conformance.search.judge import Judge
@@ -64,13 +65,13 @@ def replay(
     replays = []
     for spec in specs if checks is None else [CheckSpec(CASE_ID, dtype, check) for check in checks]:
         try:
-            comparison = runner.run(spec)
+            comparison = runner.run(spec).comparison
         except CheckSkipped:
             continue
         except ImplementationFault as fault:
             replays.append(Replay(spec.check, False, "fault", fault.message))
             continue
-        replays.append(Replay(spec.check, comparison.passed, comparison.verdict, comparison.summary()))
+        replays.append(Replay(spec.check, comparison.passed, comparison.blame, summary(comparison)))
     return replays
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from conformance.adapters.guard import one_line
 from conformance.checks.catalogue import CheckSpec
+from conformance.reports.check_record import summary
 from conformance.reports.render import terminal_lines
 from conformance.suite import SUITE_FILE
 from conformance.suite.session import EXIT_USAGE, ConformanceSession
@@ -62,7 +63,7 @@ class SuiteHooks:
             return report
         session = self.session
         if report.passed:
-            status, message = "passed", session.comparisons[spec.id].summary()
+            status, message = "passed", summary(session.results[spec.id].comparison)
         elif report.skipped:
             status, message = "skipped", str(call.excinfo.value) if call.excinfo else str(report.longrepr)
         elif call.excinfo is not None and not call.excinfo.errisinstance(pytest.fail.Exception):

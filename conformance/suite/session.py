@@ -19,7 +19,7 @@ from conformance.adapters.guard import (
     one_line,
 )
 from conformance.checks.catalogue import CheckSkipped, CheckSpec, plan
-from conformance.checks.runner import CheckRunner
+from conformance.checks.runner import CheckResult, CheckRunner
 from conformance.checks.serving_checks import ServingChecks, is_serving
 from conformance.checks.serving_scenarios import fixed_scenarios, load_scenarios, scenario_set_name
 from conformance.dumps.bundled import is_bundled
@@ -27,6 +27,7 @@ from conformance.dumps.reader import DumpSet
 from conformance.judging.comparison import Comparison
 from conformance.judging.positions import write_files as write_position_files
 from conformance.judging.tolerances import TolerancePolicy
+from conformance.reports.check_record import summary
 from conformance.reports.junit import write_junit
 from conformance.reports.render import markdown
 from conformance.reports.report import Record, build_report, write_json
@@ -56,7 +57,7 @@ class ConformanceSession:
         self.runner = CheckRunner(
             self.dumps, adapter_class, options.kernel, self.policy, options.impl_options, self.watchdog
         )
-        self.runner.weights()  # a broken weights file stops the run before any check
+        self.dumps.weights()  # a broken weights file stops the run before any check
         scenarios = fixed_scenarios() if options.scenarios is None else load_scenarios(options.scenarios)
         self.serving = ServingChecks(self.runner, scenarios, scenario_set_name(options.scenarios))
         self.specs = plan(self.dumps, self.dumps.case_ids(options.cases), options.dtypes)
@@ -64,7 +65,7 @@ class ConformanceSession:
             self.specs += self.serving.plan(options.dtypes)
         self.planned = len(self.specs)
         self.records: list[Record] = []
-        self.comparisons: dict[str, Comparison] = {}
+        self.results: dict[str, CheckResult] = {}
         self.checker_errors: dict[str, str] = {}  # a bug of the checker itself: its traceback, once
         self.stopped: str | None = None
         self.started = time.monotonic()
@@ -74,26 +75,26 @@ class ConformanceSession:
 
     @property
     def faults(self) -> FaultLog:
-        return self.runner.faults
+        return self.runner.calls.faults
 
     def build_implementation(self) -> None:
         """Build the implementation of every planned dtype before any check runs; an
         `ImplementationFault` (the adapter's constructor raised) is the end of the run."""
         for dtype in dict.fromkeys(spec.dtype for spec in self.specs):
             try:
-                self.runner.adapter(dtype)
+                self.runner.calls.adapter(dtype)
             except ImplementationFault as fault:
                 self.stopped = f"the implementation could not be built: {fault.message}"
                 raise
 
     # ----------------------------------------------------------------------------------------- checks
 
-    def check(self, spec: CheckSpec) -> Comparison:
+    def check(self, spec: CheckSpec) -> CheckResult:
         """Run one check; a check that cannot run skips the test with the reason, one the implementation
         faulted in fails it with the fault's one line."""
         self._current = spec
         try:
-            comparison = self.serving.run(spec) if is_serving(spec) else self.runner.run(spec)
+            result = self.serving.run(spec) if is_serving(spec) else self.runner.run(spec)
         except CheckSkipped as skip:
             pytest.skip(str(skip))
         except ImplementationFault as fault:
@@ -101,22 +102,22 @@ class ConformanceSession:
             pytest.fail(fault.message, pytrace=False)
         finally:
             self._current = None
-        self.comparisons[spec.id] = comparison
-        return comparison
+        self.results[spec.id] = result
+        return result
 
     def failure_text(self, spec: CheckSpec, comparison: Comparison) -> str:
         """A failed check's one line: its summary, after a note first (so that no cut loses it) for an
         fp32 check whose absolute limits fail on a set whose fp32 reference may not be IEEE fp32."""
         note = self.dumps.reference_precision.failure_note
         if note and spec.dtype == "fp32" and comparison.absolute_failures:
-            return f"{note}: {comparison.summary()}"
-        return comparison.summary()
+            return f"{note}: {summary(comparison)}"
+        return summary(comparison)
 
     def record(self, spec: CheckSpec, status: str, message: str, duration_s: float) -> None:
-        comparison = self.comparisons.get(spec.id)
-        if status == "failed" and comparison is None:
+        result = self.results.get(spec.id)
+        if status == "failed" and result is None:
             status = "error"  # an exception, not a result out of tolerance
-        self.records.append(Record(spec, status, message, duration_s, comparison))
+        self.records.append(Record(spec, status, message, duration_s, result and result.comparison))
 
     def checker_error(self, excinfo: pytest.ExceptionInfo[BaseException]) -> str:
         """A check that raised outside the implementation: a bug of the checker. Its traceback is kept
@@ -206,7 +207,8 @@ class ConformanceSession:
 
     def report(self) -> dict[str, Any]:
         """The report of the run so far."""
-        adapters = self.runner.adapters
+        calls = self.runner.calls
+        adapters = calls.adapters
         kernel_used = {dtype: adapter.kernel_used for dtype, adapter in adapters.items()}
         meta = {
             "duration_s": round(time.monotonic() - self.started, 2),
@@ -220,7 +222,7 @@ class ConformanceSession:
             },
             "implementation": {
                 "impl": self.options.impl,
-                "name": next((adapter.name for adapter in adapters.values()), self.runner.adapter_class.name),
+                "name": next((adapter.name for adapter in adapters.values()), calls.adapter_class.name),
                 "kernel": self.options.kernel,
                 "options": self.options.impl_options,
                 "kernel_used": kernel_used,

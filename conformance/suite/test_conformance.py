@@ -19,10 +19,10 @@ def kda_conformance(request: pytest.FixtureRequest) -> ConformanceSession:
 
 
 def test_check(spec: CheckSpec, kda_conformance: ConformanceSession, record_property: Any) -> None:
-    comparison = kda_conformance.check(spec)  # skips the test when the check cannot run
+    comparison = kda_conformance.check(spec).comparison  # skips the test when the check cannot run
     for key in ("margin", "nrmse", "max_abs", "share_outside"):
-        record_property(key, f"{getattr(comparison, key):.4g}")
+        record_property(key, f"{getattr(comparison.measurement, key):.4g}")
     record_property("judged_by", comparison.judged_by)
-    record_property("verdict", comparison.verdict)  # against the float64 truth; n/a without one
+    record_property("verdict", comparison.blame)  # against the float64 truth; n/a without one
     if not comparison.passed:
         pytest.fail(kda_conformance.failure_text(spec, comparison), pytrace=False)

@@ -27,10 +27,12 @@ import numpy as np
 
 from conformance.adapters.guard import LAYER_KERNEL_OUTPUT
 from conformance.checks.catalogue import CheckSkipped, CheckSpec
-from conformance.checks.runner import CheckRunner
+from conformance.checks.runner import CheckResult, CheckRunner, Sides
 from conformance.checks.truth import KERNEL_INPUTS
 from conformance.dumps.reader import CaseData
 from conformance.judging.comparison import Comparison
+from conformance.judging.verdict import unmet
+from conformance.reports.check_record import summary
 from conformance.reports.tables import format_text_table
 from kda_spec import dump_format as fmt
 
@@ -68,21 +70,22 @@ STATE_OF_OUTPUT = {
 
 @dataclasses.dataclass
 class StageResult:
+    """One stage: the check it was judged as (its sides, comparison, truth and model), or why not."""
+
     stage: str
     result: str
     check: str | None = None
-    comparison: Comparison | None = None
+    checked: CheckResult | None = None
     skipped: str = ""
-    actual: np.ndarray | None = None
-    expected: np.ndarray | None = None
-    axes: tuple[str, ...] = ()
-    truth: np.ndarray | None = None  # the float64 truth of the stage, where the relative gate has one
-    model: np.ndarray | None = None  # the precision contract's model, where the contract judged it
 
     @property
     def key(self) -> str:
         """Short name to pick a stage with (`--stage`): the result name without its note."""
         return self.result.split(" ")[0]
+
+    @property
+    def comparison(self) -> Comparison | None:
+        return None if self.checked is None else self.checked.comparison
 
 
 def run_stages(runner: CheckRunner, case_id: str, dtype: str) -> list[StageResult]:
@@ -92,63 +95,37 @@ def run_stages(runner: CheckRunner, case_id: str, dtype: str) -> list[StageResul
     for stage, result, check in STAGES:
         row = StageResult(stage, result, check)
         try:
-            truth = None
             if check is None:
-                row.actual, row.expected, row.axes, check, row.result = _kernel_on_layer_inputs(
-                    runner, case, dtype
-                )
+                sides, row.check, row.result = _kernel_on_layer_inputs(runner, case, dtype)
                 truth = functools.partial(runner.layer_kernel_truth, case, dtype)
-                positions = {}
+                row.checked = runner.judge(case, CheckSpec(case_id, dtype, row.check), sides, truth)
             else:
-                row.actual, row.expected, row.axes, positions = runner.pair(
-                    case, CheckSpec(case_id, dtype, check)
-                )
-            row.actual = np.asarray(row.actual)
-            spec = CheckSpec(case_id, dtype, check)
-            row.comparison = runner.compare(case, spec, row.actual, row.expected, row.axes, positions, truth)
-            _keep_judging_arrays(row, runner, case, spec, positions, truth)
+                spec = CheckSpec(case_id, dtype, check)
+                row.checked = runner.judge(case, spec, runner.sides(case, spec))
         except CheckSkipped as skip:
             row.skipped = str(skip)
         results.append(row)
     return results
 
 
-def _keep_judging_arrays(
-    row: StageResult,
-    runner: CheckRunner,
-    case: CaseData,
-    spec: CheckSpec,
-    positions: dict,
-    truth: Callable[[], tuple[np.ndarray, str]] | None,
-) -> None:
-    """The truth and the contract's model the stage was judged against, for its heatmap."""
-    comparison = row.comparison
-    if comparison.attribution is not None:
-        row.truth = truth()[0] if truth else runner.truth(case, spec, positions)[0]
-    if comparison.contract is not None:
-        row.model = runner.contract_model(case, spec, positions)
-
-
-def _kernel_on_layer_inputs(
-    runner: CheckRunner, case: CaseData, dtype: str
-) -> tuple[np.ndarray, np.ndarray, tuple[str, ...], str, str]:
+def _kernel_on_layer_inputs(runner: CheckRunner, case: CaseData, dtype: str) -> tuple[Sides, str, str]:
     """The kernel output inside the layer: the one the layer computed where the adapter returns it
     (`o_kda`), else the reference layer's kernel run on this implementation's own conv outputs, g and
-    beta; with the reference, axes, the check whose tolerance applies, and which of the two it is."""
+    beta; against the reference, with the check whose tolerance applies and which of the two it is."""
     path = case.info.layer_kernel_path
     reference = case.result(f"o_kda_{path}", dtype)
     if reference is None:
         raise CheckSkipped(f"the dump has no {fmt.result_key(f'o_kda_{path}', dtype)!r}")
     check = "kernel-chunk" if path == "chunk" else "kernel-recurrent"
     axes = ("token", "head", "channel")
-    stages = runner.layer(case, dtype).intermediates
+    stages = runner.calls.layer(case, dtype).intermediates
     if LAYER_KERNEL_OUTPUT in stages:
-        return stages[LAYER_KERNEL_OUTPUT], reference, axes, check, LAYER_KERNEL_OWN
+        return Sides(stages[LAYER_KERNEL_OUTPUT], reference, axes), check, LAYER_KERNEL_OWN
     missing = [name for name in KERNEL_INPUTS if name not in stages]
     if missing:
         raise CheckSkipped(f"the adapter returns no 'o_kda' and does not expose {missing}")
-    o, _ = runner.run_kernel(case, dtype, path, stages)
-    return o, reference, axes, check, LAYER_KERNEL_RERUN
+    o, _ = runner.calls.run_kernel(case, dtype, path, stages)
+    return Sides(o, reference, axes), check, LAYER_KERNEL_RERUN
 
 
 def _out(row: StageResult) -> bool:
@@ -186,10 +163,8 @@ def _first_stage(results: list[StageResult], fails: Callable[[Comparison], bool]
 
 def first_leaving_reference(results: list[StageResult]) -> StageResult | None:
     """The first stage where the implementation's own error against the truth leaves the reference's:
-    beyond the relative gate's factor and floor (`Attribution.relative_failures`)."""
-    return _first_stage(
-        results, lambda c: c.attribution is not None and bool(c.attribution.relative_failures)
-    )
+    beyond the relative gate's factor and floor."""
+    return _first_stage(results, lambda c: c.attribution is not None and not c.verdict.holds("relative"))
 
 
 def _against_truth(c: Comparison) -> list[str]:
@@ -197,7 +172,7 @@ def _against_truth(c: Comparison) -> list[str]:
     a = c.attribution
     if a is None:
         return ["n/a", "n/a", "n/a"]
-    return [f"{side.margin:.3g} / {side.nrmse:.3g}" for side in (a.impl, a.reference)] + [a.verdict]
+    return [f"{side.margin:.3g} / {side.nrmse:.3g}" for side in (a.impl, a.reference)] + [a.blame]
 
 
 def _against_contract(c: Comparison) -> str:
@@ -205,14 +180,14 @@ def _against_contract(c: Comparison) -> str:
     if c.contract is None:
         return ""
     text = f"{c.contract.impl.nrmse:.3g} / {c.contract.impl.gain:+.2g}"
-    if c.contract.failures:
+    if not c.verdict.holds("contract"):
         return f"{text} OUT"
-    return f"{text} exempt" if c.contract.gated and c.contract.closer else text
+    return f"{text} exempt" if c.contract.gating.applies and c.contract.closer else text
 
 
 def first_leaving_contract(results: list[StageResult]) -> StageResult | None:
     """The first stage (in the layer's order) whose implementation fails the precision contract."""
-    return _first_stage(results, lambda c: c.contract is not None and bool(c.contract.failures))
+    return _first_stage(results, lambda c: c.contract is not None and not c.verdict.holds("contract"))
 
 
 def table_lines(results: list[StageResult]) -> list[str]:
@@ -238,9 +213,10 @@ def table_lines(results: list[StageResult]) -> list[str]:
         if c is None:
             body.append([row.stage, row.result, "", "", "", "", "skip", "", "", "", "", row.skipped])
             continue
-        where = ", ".join(f"{axis} {i}" for axis, i in c.worst.get("index", {}).items())
+        m = c.measurement
+        where = ", ".join(f"{axis} {i}" for axis, i in m.worst.get("index", {}).items())
         verdict = "ok" if c.passed else "OUT"
-        numbers = [f"{value:.3g}" for value in (c.max_abs, c.max_rel, c.margin, c.nrmse)]
+        numbers = [f"{value:.3g}" for value in (m.max_abs, m.max_rel, m.margin, m.nrmse)]
         body.append(
             [row.stage, row.result, *numbers, verdict, *_against_truth(c), _against_contract(c), where]
         )
@@ -253,13 +229,13 @@ def table_lines(results: list[StageResult]) -> list[str]:
     for row, what in state_defects(results):
         lines.append(
             f"state defect: {what} ({row.key}) leaves tolerance while its output holds: "
-            f"{row.comparison.summary()}"
+            f"{summary(row.comparison)}"
         )
     first = first_out_of_tolerance(results)
     if first is None:
         lines.append("every stage compared holds")
     else:
-        lines.append(f"first out of tolerance: {first.stage} ({first.result}): {first.comparison.summary()}")
+        lines.append(f"first out of tolerance: {first.stage} ({first.result}): {summary(first.comparison)}")
         scale = scale_error(first)
         if scale is not None:
             factor, along = scale
@@ -278,7 +254,7 @@ def table_lines(results: list[StageResult]) -> list[str]:
     if departing is not None:
         lines.append(
             f"first stage off the precision contract: {departing.stage} ({departing.result}): "
-            + "; ".join(departing.comparison.contract.failures)
+            + "; ".join(unmet(departing.comparison.verdict.of("contract")))
         )
     return lines
 
@@ -294,7 +270,7 @@ def _leaving_line(results: list[StageResult]) -> str:
             f"the implementation's own error stays within the relative bound of the reference's at every "
             f"stage with a truth ({len(with_truth)} of {len(results)})"
         )
-    reasons = "; ".join(leaving.comparison.attribution.relative_failures)
+    reasons = "; ".join(unmet(leaving.comparison.verdict.of("relative")))
     where = f"{leaving.stage} ({leaving.result})"
     return f"the implementation's own error first leaves the reference's at {where}: {reasons}"
 
@@ -303,7 +279,8 @@ def scale_error(row: StageResult) -> tuple[float, float] | None:
     """(s, share) when a compared stage's error is mostly a scale: the result is close to s × the
     reference, the best such s leaving at most `SCALE_RESIDUAL_SHARE` of the error's norm, and `share` of
     the squared error lies along the reference; None otherwise (or with a NaN/Inf in the result)."""
-    a, b = (np.asarray(x, np.float64).ravel() for x in (row.actual, row.expected))
+    sides = row.checked.sides
+    a, b = (np.asarray(x, np.float64).ravel() for x in (sides.actual, sides.expected))
     error_norm2, reference_norm2 = float(np.sum((a - b) ** 2)), float(b @ b)
     if not np.all(np.isfinite(a)) or error_norm2 == 0 or reference_norm2 == 0:
         return None

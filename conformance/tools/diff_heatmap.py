@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from conformance.judging.comparison import Comparison
-from conformance.judging.tolerances import CONTRACT_MODE
+from conformance.judging.verdict import MODE_GATES
 from conformance.tools.diff import StageResult
 
 
@@ -20,29 +20,16 @@ def _ratio(actual: np.ndarray, against: np.ndarray, atol: float, rtol: float) ->
 
 def error_ratio(row: StageResult) -> np.ndarray:
     """|actual - expected| / (atol + rtol·|expected|) of a compared stage, elementwise (> 1 fails)."""
-    tol = row.comparison.tolerance
-    return _ratio(row.actual, row.expected, tol.atol, tol.rtol)
-
-
-# The gates that decide a stage, by its `judged_by`, in the order a heatmap prefers them.
-_DECIDING_GATES = {
-    "absolute": ("absolute",),
-    "relative": ("relative",),
-    "absolute+relative": ("absolute", "relative"),
-    CONTRACT_MODE: ("relative", "contract"),
-}
+    tol, sides = row.comparison.measurement.tolerance, row.checked.sides
+    return _ratio(sides.actual, sides.expected, tol.atol, tol.rtol)
 
 
 def shown_gate(c: Comparison) -> str:
-    """The gate whose error a stage's heatmap shows: the first of its deciding gates that fails, else the
-    first that decides it."""
-    failing = {
-        "absolute": bool(c.absolute_failures),
-        "relative": c.attribution is not None and bool(c.attribution.relative_failures),
-        "contract": c.contract is not None and bool(c.contract.failures),
-    }
-    deciding = _DECIDING_GATES[c.judged_by]
-    return next((gate for gate in deciding if failing[gate]), deciding[0])
+    """The gate whose error a stage's heatmap shows: the first of its deciding gates (`MODE_GATES`) that
+    fails (the absolute one with NaN/Inf), else the first that decides it."""
+    deciding = MODE_GATES[c.judged_by]
+    gates = {gate: ("finite", "absolute") if gate == "absolute" else (gate,) for gate in deciding}
+    return next((gate for gate in deciding if not c.verdict.holds(*gates[gate])), deciding[0])
 
 
 def judged_ratio(row: StageResult) -> tuple[np.ndarray, str]:
@@ -52,22 +39,23 @@ def judged_ratio(row: StageResult) -> tuple[np.ndarray, str]:
     absolute: |a - ref| / (atol + rtol·|ref|), > 1 fails; relative: |a - truth| / (atol + rtol·|truth|)
     over the relative gate's margin bound (factor × the reference's margin + floor), > 1 fails;
     contract: |a - model| / (max nRMSE · rms(model)), whose RMS over the result > 1 fails."""
-    c, gate = row.comparison, shown_gate(row.comparison)
+    c, gate, checked = row.comparison, shown_gate(row.comparison), row.checked
     if gate == "contract":
-        rms = float(np.sqrt(np.mean(np.square(row.model)))) or 1.0
-        ratio = _ratio(row.actual, row.model, c.contract.max_nrmse * rms, 0.0)
+        rms = float(np.sqrt(np.mean(np.square(checked.model)))) or 1.0
+        ratio = _ratio(checked.sides.actual, checked.model, c.contract.max_nrmse * rms, 0.0)
         return ratio, "|err vs contract model| / (max nRMSE·rms(model))   (RMS > 1 fails)"
     if gate == "relative":
-        limits, tol = c.attribution.limits, c.tolerance
+        limits, tol = c.attribution.limits, c.measurement.tolerance
         bound = limits.factor * c.attribution.reference.margin + limits.margin_floor
-        ratio = _ratio(row.actual, row.truth, tol.atol, tol.rtol) / bound
+        ratio = _ratio(checked.sides.actual, checked.truth, tol.atol, tol.rtol) / bound
         return ratio, "|err vs truth| / (atol + rtol·|truth|) / relative bound   (> 1 fails)"
     return error_ratio(row), _COLORBAR_LABEL
 
 
 def is_state(row: StageResult) -> bool:
     """A recurrent state stage: axes seq × head × key × value."""
-    return row.axes[:1] == ("seq",) and len(row.axes) == 4
+    axes = row.checked.sides.axes
+    return axes[:1] == ("seq",) and len(axes) == 4
 
 
 def heatmap_grid(row: StageResult) -> tuple[np.ndarray, tuple[str, str]]:
@@ -76,14 +64,14 @@ def heatmap_grid(row: StageResult) -> tuple[np.ndarray, tuple[str, str]]:
     ratio, _ = judged_ratio(row)
     # Keep the first two axes (token × head, token × channel), worst over the rest.
     grid = ratio.reshape(ratio.shape[0], ratio.shape[1], -1).max(axis=2)
-    return grid, (row.axes[0], row.axes[1])
+    return grid, row.checked.sides.axes[:2]
 
 
 def state_panels(row: StageResult) -> np.ndarray:
     """The error of a state stage relative to its deciding gate's bound (`judged_ratio`), worst over the
     sequences: [head, key, value]."""
     if not is_state(row):
-        raise ValueError(f"{row.result}: not a state (axes {row.axes})")
+        raise ValueError(f"{row.result}: not a state (axes {row.checked.sides.axes})")
     return judged_ratio(row)[0].max(axis=0)
 
 
@@ -97,8 +85,8 @@ def draw_heatmap(row: StageResult, path: Path, title: str, cu_seqlens: np.ndarra
 
     label = judged_ratio(row)[1]
     if is_state(row):
-        panels = state_panels(row)
-        figure = _draw_state(plt, panels, f"{title} (worst of {row.actual.shape[0]} sequences)", label)
+        sequences = row.checked.sides.actual.shape[0]
+        figure = _draw_state(plt, state_panels(row), f"{title} (worst of {sequences} sequences)", label)
     else:
         figure = _draw_token_grid(plt, row, title, cu_seqlens, label)
     try:

@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from conformance.judging.verdict import MODE_GATES, Criterion, Verdict, decide
+from conformance.judging.verdict import MODE_GATES, Verdict, decide
+from conformance.reports.check_record import criterion_from_record
 from conformance.reports.report import REPORT_FORMAT, REPORT_VERSION, STATUSES
 
 _CHECK_TEXT_FIELDS = ("id", "status", "message")
@@ -98,7 +99,7 @@ def _recorded_verdict(metrics: dict[str, Any], label: str) -> Verdict:
         raise ReportError(f"{label}: metrics 'criteria' must be a list, found {records!r}")
     try:
         criteria = [
-            Criterion.from_dict(record, f"{label}: criteria[{i}]") for i, record in enumerate(records)
+            criterion_from_record(record, f"{label}: criteria[{i}]") for i, record in enumerate(records)
         ]
     except ValueError as err:
         raise ReportError(str(err)) from None
@@ -133,7 +134,7 @@ def _recomputed(check: dict[str, Any]) -> tuple[list[str], float | None]:
     recorded = metrics.get("failures", [])
     if recorded:
         reasons.append(f"recorded failures {recorded}")
-    return reasons, (verdict.ratio if not reasons else None)
+    return reasons, (verdict.ratio() if not reasons else None)
 
 
 def status_counts(report: dict[str, Any]) -> dict[str, int]:

@@ -198,7 +198,7 @@ class PowerMeter:
         key = (dtype, layer_class)
         if key not in self._adapters:
             self._adapters[key] = DefectiveKDAImpl(
-                self.dumps.config, self.runner.weights(), dtype, self.kernel, layer_class=layer_class
+                self.dumps.config, self.dumps.weights(), dtype, self.kernel, layer_class=layer_class
             )
         return self._adapters[key]
 
@@ -213,15 +213,15 @@ class PowerMeter:
         out those `baseline[dtype]` fails. A check that raises (other than a skip) fails under both."""
         adapter = self.adapter(dtype, layer_class)
         adapter.inject(injection)
-        self.runner.use_adapter(dtype, adapter)
-        self.runner.forget_implementation_results()
+        self.runner.calls.use_adapter(dtype, adapter)
+        self.runner.calls.forget_results()
         failed: dict[str, list[str]] = {policy: [] for policy in POLICIES}
         ratios: dict[str, dict[str, float]] = {policy: {} for policy in POLICIES}
         for case_id, checks in cases.items():
             for check in checks:
                 name = f"{case_id}:{check}"
                 try:
-                    comparison = self.runner.run(CheckSpec(case_id, dtype, check))
+                    comparison = self.runner.run(CheckSpec(case_id, dtype, check)).comparison
                 except CheckSkipped:
                     continue
                 except Exception as err:  # an error fails the check, as in the suite
@@ -291,7 +291,7 @@ def run_dtypes(dumps: DumpSet, requested: str) -> list[str]:
     return [requested]
 
 
-def measure(
+def measure_power(
     dumps: DumpSet,
     policy: TolerancePolicy,
     dtypes: list[str],

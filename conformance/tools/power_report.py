@@ -22,7 +22,7 @@ from conformance.tools.power import (
     GRID,
     POLICIES,
     defects,
-    measure,
+    measure_power,
     run_dtypes,
     select_defects,
 )
@@ -189,7 +189,7 @@ def run(
     chosen = select_defects(defects(list(dumps.weights())), defect_patterns)
     check_report_dir(report_dir)
     started = time.perf_counter()
-    result = measure(dumps, policy, dtypes, chosen, cases, kernel, progress)
+    result = measure_power(dumps, policy, dtypes, chosen, cases, kernel, progress)
     result["run"] = {
         "command": command,
         "dumps": dumps.url,
