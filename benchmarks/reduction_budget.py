@@ -35,18 +35,18 @@ def budget_units(runner: CheckRunner, dumps: DumpSet) -> dict[str, list[float]]:
     for spec in plan(dumps, list(dumps.cases), ["fp32"]):
         case = runner.case(spec.case_id)
         try:
-            actual, expected, axes, positions = runner.pair(case, spec)
-            truth, _ = runner.truth(case, spec, positions)
+            sides = runner.sides(case, spec)
+            truth, _ = runner.truth(case, spec, sides)
         except (CheckSkipped, NoTruth):
             continue
         t = np.asarray(truth, np.float64)
         budget = reduction_of(spec.check, dumps.config).budget
-        scale = head_scale(t, axes.index("head") if "head" in axes else None)
+        scale = head_scale(t, sides.axes.index("head") if "head" in sides.axes else None)
         row = []
-        for side in (actual, expected):
+        for side in (sides.actual, sides.expected):
             error = np.abs(np.asarray(side, np.float64) - t)
             row.append(float(np.linalg.norm(error) / np.linalg.norm(t)) / budget)
-        for side in (actual, expected):
+        for side in (sides.actual, sides.expected):
             error = np.abs(np.asarray(side, np.float64) - t)
             row.append(float(np.max(error / (budget * np.maximum(scale, np.finfo(np.float64).tiny)))))
         worst[spec.check] = [max(a, b) for a, b in zip(worst.get(spec.check, row), row, strict=True)]

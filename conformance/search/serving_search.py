@@ -32,6 +32,7 @@ from conformance.checks.serving_checks import ServingChecks
 from conformance.checks.serving_scenarios import Scenario, write_scenarios
 from conformance.dumps.reader import DumpSet
 from conformance.judging.tolerances import TolerancePolicy
+from conformance.reports.check_record import summary
 from conformance.search.serving_space import schedule_strategy
 
 EXIT_CLEAN, EXIT_FOUND, EXIT_CANNOT_ANSWER = 0, 1, 2
@@ -82,7 +83,7 @@ class ScheduleJudge:
         serving = ServingChecks(self.runner, [scenario], "searched")
         for spec in serving.plan(list(self.dtypes)):
             try:
-                comparison = serving.run(spec)
+                comparison = serving.run(spec).comparison
             except CheckSkipped as skip:
                 if spec.check == f"serving-{scenario.name}":  # the outputs' check: no serving path
                     raise CannotAnswer(str(skip)) from None
@@ -91,7 +92,7 @@ class ScheduleJudge:
                 self.failures[scenario] = f"{spec.id}: {fault.message}"
                 return True
             if not comparison.passed:
-                self.failures[scenario] = f"{spec.id}: {comparison.summary()}"
+                self.failures[scenario] = f"{spec.id}: {summary(comparison)}"
                 return True
         return False
 

@@ -17,6 +17,7 @@ from conformance.cli import main
 from conformance.dumps.reader import DumpError, DumpSet
 from conformance.judging.attribution import Attribution, TruthError
 from conformance.judging.tolerances import RelativeLimits, TolerancePolicy
+from conformance.reports.check_record import metrics, summary
 from conformance.reports.render import markdown, terminal_lines
 from conformance.reports.report import Record, build_report
 from kda_spec import dump_format as fmt
@@ -121,7 +122,7 @@ def _comparisons(root: Path, adapter=NumpyAdapter) -> dict[str, object]:
     runner, found = _runner(root, adapter), {}
     for spec in plan(runner.dumps, list(CASES), ["fp32", "bf16"]):
         try:
-            found[spec.id] = runner.run(spec)
+            found[spec.id] = runner.run(spec).comparison
         except CheckSkipped:
             continue
     return found
@@ -132,7 +133,7 @@ def test_every_check_records_both_sides_against_the_truth(truth_dumps: Path) -> 
     assert len(comparisons) > 100
     for check_id, c in comparisons.items():
         assert c.attribution is not None, check_id
-        assert c.verdict == "conditioning", check_id
+        assert c.blame == "conditioning", check_id
         if "decode" not in check_id and "chunked" not in check_id:  # one prefill is the reference
             assert c.attribution.impl == c.attribution.reference, check_id
     kernel = comparisons["T65-fp32-kernel-chunk"].attribution
@@ -151,7 +152,7 @@ def test_the_truth_compares_the_dumped_kernel_inputs_not_the_layer_ones(truth_du
     for case in CASES:
         for dtype in fmt.DTYPES:
             for check in KERNEL_CHECKS:
-                attribution = runner.run(CheckSpec(case, dtype, check)).attribution
+                attribution = runner.run(CheckSpec(case, dtype, check)).comparison.attribution
                 assert attribution.reference.margin < 0.2, (case, dtype, check)
 
 
@@ -166,7 +167,7 @@ def test_a_set_without_truth_is_judged_against_the_truth_computed_here(
     assert layer.judged_by == "absolute+relative"
     for check_id, comparison in plain.items():
         with_truth = stored[check_id]
-        assert (comparison.verdict, comparison.passed) == (with_truth.verdict, with_truth.passed), check_id
+        assert (comparison.blame, comparison.passed) == (with_truth.blame, with_truth.passed), check_id
         assert comparison.attribution.impl.nrmse == pytest.approx(with_truth.attribution.impl.nrmse, rel=1e-9)
 
 
@@ -175,13 +176,13 @@ def test_a_check_without_a_truth_says_why_and_judges_by_the_absolute_gate(
 ) -> None:
     """An intermediate of a case longer than the checker computes every result for has no truth."""
     monkeypatch.setattr("conformance.checks.truth.COMPUTE_MAX_TOKENS", 64)
-    o_norm = _runner(plain_dumps).run(CheckSpec("T65", "fp32", "o_norm"))
-    assert o_norm.attribution is None and o_norm.verdict == "n/a" and o_norm.judged_by == "absolute"
+    o_norm = _runner(plain_dumps).run(CheckSpec("T65", "fp32", "o_norm")).comparison
+    assert o_norm.attribution is None and o_norm.blame == "n/a" and o_norm.judged_by == "absolute"
     reason = (
         "the truth computed here of a case of 65 tokens (over the 64 the checker computes every result "
         "for) has no 'o_norm': only 'out' and 'recurrent_state'"
     )
-    assert o_norm.as_dict()["truth"] == {"available": False, "reason": reason}
+    assert metrics(o_norm)["truth"] == {"available": False, "reason": reason}
 
 
 # ------------------------------------------------------------------------------------ the verdicts
@@ -208,7 +209,7 @@ def _attribution(
     ],
 )
 def test_the_verdict(impl, reference, apart: bool, verdict: str) -> None:
-    assert _attribution(impl, reference, apart).verdict == verdict
+    assert _attribution(impl, reference, apart).blame == verdict
 
 
 # ------------------------------------------------------------------------------------ report, diff
@@ -218,8 +219,8 @@ def _report(root: Path, adapter=NumpyAdapter) -> dict:
     runner = _runner(root, adapter)
     records = []
     for spec in plan(runner.dumps, ["T65"], ["fp32", "bf16"]):
-        c = runner.run(spec)
-        records.append(Record(spec, "passed" if c.passed else "failed", c.summary(), 0.0, c))
+        c = runner.run(spec).comparison
+        records.append(Record(spec, "passed" if c.passed else "failed", summary(c), 0.0, c))
     meta = {
         "implementation": {"impl": "numpy", "name": "numpy", "kernel": "auto", "kernel_used": {}},
         "environment": {"backend": "cpu", "device_kind": "cpu", "versions": {}},

@@ -11,6 +11,7 @@ from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
 from conformance.judging.comparison import Comparison
 from conformance.judging.tolerances import TolerancePolicy
+from conformance.reports.check_record import summary
 from conformance.reports.report import Record, build_report
 from conformance.tools.gate import breaches
 from tests.conformance import broken_adapters
@@ -51,7 +52,10 @@ EXPECTATIONS = {
 
 def _comparisons(adapter_class: type, case: str, dtype: str, checks: set[str]) -> dict[CheckSpec, Comparison]:
     runner = CheckRunner(DumpSet(str(GOLDEN)), adapter_class, "auto", TolerancePolicy.load())
-    return {spec: runner.run(spec) for spec in (CheckSpec(case, dtype, check) for check in sorted(checks))}
+    return {
+        spec: runner.run(spec).comparison
+        for spec in (CheckSpec(case, dtype, check) for check in sorted(checks))
+    }
 
 
 @pytest.mark.parametrize("adapter_class", list(EXPECTATIONS), ids=lambda cls: cls.__name__)
@@ -62,7 +66,7 @@ def test_broken_adapter_fails_the_matching_checks_and_the_gate(adapter_class: ty
     assert {check for check in must_fail if verdicts[check]} == set(), "broken checks that still passed"
     assert {check for check in must_hold if not verdicts[check]} == set(), "unrelated checks that failed"
     records = [
-        Record(spec, "passed" if c.passed else "failed", c.summary(), 0.0, c)
+        Record(spec, "passed" if c.passed else "failed", summary(c), 0.0, c)
         for spec, c in comparisons.items()
     ]
     found = breaches(build_report(records, {}, close_margin=0.5))
@@ -90,10 +94,10 @@ def test_numpy_reference_passes_every_check_on_golden() -> None:
     failed, ran = [], 0
     for spec in plan(dumps, REFERENCE_CASES, ["fp32", "bf16"]):
         try:
-            comparison = runner.run(spec)
+            comparison = runner.run(spec).comparison
         except CheckSkipped:
             continue
         ran += 1
         if not comparison.passed:
-            failed.append(f"{spec.id}: {comparison.summary()}")
+            failed.append(f"{spec.id}: {summary(comparison)}")
     assert failed == [] and ran > 150

@@ -121,9 +121,8 @@ def test_every_check_of_a_set_without_truth_has_a_verdict(tmp_path: Path, check:
     dumps = DumpSet(str(write_dump_set(tmp_path, ("varlen_initstate",), truth=False)))
     assert "truth" not in dumps.manifest
     policy = TolerancePolicy.load()
-    comparison = CheckRunner(dumps, NumpyAdapter, "auto", policy).run(
-        CheckSpec("varlen_initstate", "bf16", check)
-    )
+    runner = CheckRunner(dumps, NumpyAdapter, "auto", policy)
+    comparison = runner.run(CheckSpec("varlen_initstate", "bf16", check)).comparison
     assert comparison.attribution is not None, comparison.no_truth
     assert comparison.attribution.source == COMPUTED_LAYER_TRUTH_SOURCE
     assert comparison.judged_by == policy.mode(check, "bf16")

@@ -16,7 +16,7 @@ from conformance.checks.runner import CheckRunner
 from conformance.checks.truth import FP32_STAGES, computed_contract_model
 from conformance.dumps.reader import DumpSet
 from conformance.judging.attribution import attribute
-from conformance.judging.comparison import Comparison, compare, judge
+from conformance.judging.comparison import Comparison, judge
 from conformance.judging.contract import contract_check, error_vs_contract
 from conformance.judging.tolerances import (
     CONTRACT_MODE,
@@ -26,10 +26,13 @@ from conformance.judging.tolerances import (
     Tolerance,
     TolerancePolicy,
 )
+from conformance.judging.verdict import unmet, worst_ratio
+from conformance.reports.check_record import metrics
 from conformance.reports.report import Record
 from conformance.tools.diff import run_stages, table_lines
 from conformance.tools.gate import ReportError, breaches
 from tests.conformance import broken_adapters
+from tests.conformance.absolute import compare
 from tests.conformance.policy_files import edited_policy
 from tests.conformance.report_files import criterion, report_of
 
@@ -64,10 +67,10 @@ def test_kda_impl_matches_the_model_almost_bit_for_bit_on_golden() -> None:
     """The evidence behind the limits: every stage of kda_impl's bf16 run is within a few one-ulp flips."""
     dumps = DumpSet(str(GOLDEN))
     runner = CheckRunner(dumps, KDAImplAdapter, "auto", TolerancePolicy.load())
-    comparison = runner.run(CheckSpec("T65", "bf16", "q_after_conv"))
+    comparison = runner.run(CheckSpec("T65", "bf16", "q_after_conv")).comparison
     assert comparison.contract is not None and comparison.contract.impl.nrmse == 0.0
-    layer = runner.run(CheckSpec("T65", "bf16", "layer"))
-    assert layer.contract.gated and layer.contract.impl.nrmse < 0.25 * LIMITS.max_nrmse
+    layer = runner.run(CheckSpec("T65", "bf16", "layer")).comparison
+    assert layer.contract.gating.applies and layer.contract.impl.nrmse < 0.25 * LIMITS.max_nrmse
     assert abs(layer.contract.impl.gain) < 0.1 * LIMITS.max_gain
     # transformers, golden's reference, rounds the conv twice: it is recorded, and does not decide.
     assert comparison.contract.reference.nrmse > LIMITS.max_nrmse and comparison.passed
@@ -100,14 +103,14 @@ def _contract_judged(
     attribution = attribute(actual, reference, truth, "t", BF16, RELATIVE, bool(comparison.absolute_failures))
     impl_error = attribution.impl.nrmse
     contract = contract_check(
-        actual, reference, model, truth, impl_error, "t", LIMITS, fp32_stage, comparison.gating
+        actual, reference, model, truth, impl_error, "t", LIMITS, fp32_stage, comparison.measurement.gating
     )
-    return judge(comparison, CONTRACT_MODE, attribution, contract=contract)
+    return judge(comparison.measurement, CONTRACT_MODE, attribution, contract=contract)
 
 
 def test_a_scale_below_the_relative_gate_fails_the_contract_by_its_gain() -> None:
     judged = _contract_judged(MODEL * (1 + 5e-4))
-    assert not judged.attribution.relative_failures and judged.judged_by == CONTRACT_MODE
+    assert not unmet(judged.attribution.criteria) and judged.judged_by == CONTRACT_MODE
     assert not judged.passed and judged.failures == [
         "precision contract: gain vs the contract's model +0.0005, |gain| > 0.0001"
     ]
@@ -126,7 +129,7 @@ def test_a_result_closer_to_the_truth_than_the_model_is_exempt() -> None:
     rounded_model = _bf16(MODEL)
     exact = _contract_judged(MODEL.copy(), fp32_stage=True, model=rounded_model)
     assert exact.contract.impl.nrmse > LIMITS.max_nrmse_fp32_stage and exact.contract.closer
-    assert exact.passed and exact.contract.ratio == 0.0
+    assert exact.passed and worst_ratio(exact.contract.criteria) == 0.0
     nearer = MODEL + 0.6 * (rounded_model - MODEL)  # 1.7x closer to the truth than the model: not exempt
     judged = _contract_judged(nearer, fp32_stage=True, model=rounded_model)
     assert not judged.contract.closer and not judged.passed
@@ -134,18 +137,18 @@ def test_a_result_closer_to_the_truth_than_the_model_is_exempt() -> None:
 
 def test_the_contract_is_not_gated_below_min_tokens_nor_without_a_model() -> None:
     few = _contract_judged(MODEL * (1 + 5e-4), min_tokens=len(MODEL) + 1)
-    assert few.passed and not few.contract.gated and few.contract.ratio == 0.0
+    assert few.passed and not few.contract.gating.applies and worst_ratio(few.contract.criteria) == 0.0
     comparison = compare(MODEL * (1 + 5e-4), _bf16(MODEL), BF16, RFC, ("token", "channel"))
     attribution = attribute(MODEL * (1 + 5e-4), _bf16(MODEL), MODEL, "t", BF16, RELATIVE, False)
-    alone = judge(comparison, CONTRACT_MODE, attribution, no_contract="no model of this result")
+    alone = judge(comparison.measurement, CONTRACT_MODE, attribution, no_contract="no model of this result")
     assert alone.passed and alone.judged_by == "relative"
-    assert alone.as_dict()["contract"] == {"available": False, "reason": "no model of this result"}
+    assert metrics(alone)["contract"] == {"available": False, "reason": "no model of this result"}
 
 
 def test_golden_catches_beta_rounded_to_bf16_although_its_reference_rounds_it_too() -> None:
     runner = CheckRunner(DumpSet(str(GOLDEN)), broken_adapters.BetaInBf16, "auto", TolerancePolicy.load())
-    beta = runner.run(CheckSpec("T65", "bf16", "beta"))
-    assert beta.attribution.verdict == "conditioning" and not beta.attribution.relative_failures
+    beta = runner.run(CheckSpec("T65", "bf16", "beta")).comparison
+    assert beta.attribution.blame == "conditioning" and not unmet(beta.attribution.criteria)
     assert not beta.passed and beta.failures[0].startswith("precision contract: nRMSE")
 
 
@@ -252,10 +255,14 @@ def test_the_contract_counts_each_state_by_its_own_sequence_as_the_nrmse_gate_do
     short_off = states.copy()
     short_off[:3] *= 1 + 5e-3  # the three short sequences' states scaled: ungated
     judged = _contract_judged(short_off, True, states, states, axes=STATE_AXES, seq_lens=seq_lens)
-    assert judged.contract.gating.tokens == judged.gating.tokens == 41
-    assert list(judged.contract.gating.rows) == list(judged.gating.rows) == [False, False, False, True]
-    assert judged.contract.impl.nrmse == 0.0 and not judged.contract.failures
+    assert judged.contract.gating.tokens == judged.measurement.gating.tokens == 41
+    assert (
+        list(judged.contract.gating.rows)
+        == list(judged.measurement.gating.rows)
+        == [False, False, False, True]
+    )
+    assert judged.contract.impl.nrmse == 0.0 and not unmet(judged.contract.criteria)
     long_off = states.copy()
     long_off[3] *= 1 + 5e-4
     judged = _contract_judged(long_off, True, states, states, axes=STATE_AXES, seq_lens=seq_lens)
-    assert judged.contract.failures == ["gain vs the contract's model +0.0005, |gain| > 0.0001"]
+    assert unmet(judged.contract.criteria) == ["gain vs the contract's model +0.0005, |gain| > 0.0001"]

@@ -20,6 +20,7 @@ from conformance.checks.runner import CheckRunner
 from conformance.checks.truth import computed_contract_model, flipped_contract_rounding
 from conformance.dumps.reader import DumpSet
 from conformance.judging.tolerances import TolerancePolicy
+from conformance.reports.check_record import summary
 from kda_spec import truth as kda_truth
 
 SMALL_ACTIVATION = Path(__file__).resolve().parents[1] / "data" / "small-activation-T97"
@@ -38,22 +39,22 @@ def _nrmse(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.mark.parametrize("check", ["layer", "o_norm", "chunked-prefill"])
 def test_kda_impl_holds_the_contract_by_its_models_spread(runner: CheckRunner, check: str) -> None:
-    comparison = runner.run(CheckSpec(CASE, "bf16", check))
-    assert comparison.passed, comparison.summary()
+    comparison = runner.run(CheckSpec(CASE, "bf16", check)).comparison
+    assert comparison.passed, summary(comparison)
     contract = comparison.contract
     assert contract is not None and contract.spread is not None
     assert 2e-3 < contract.impl.nrmse <= 2 * contract.spread.nrmse
     assert "spread" in contract.criteria[0].floor_source
     # under the fixed limits alone it fails: the spread is what decides here
     assert not dataclasses.replace(contract, spread=None).fixed_limits_hold
-    assert comparison.verdict == "conditioning"
+    assert comparison.blame == "conditioning"
 
 
 def test_each_rounding_point_of_kda_impl_holds_the_contract_on_its_own_inputs(runner: CheckRunner) -> None:
     case = runner.case(CASE)
-    result = runner.layer(case, "bf16")
+    result = runner.calls.layer(case, "bf16")
     stages = {name: np.asarray(value, np.float64) for name, value in result.intermediates.items()}
-    weight = np.asarray(kda_truth.run_weights(runner.weights(), "bf16")["o_norm.weight"], np.float64)
+    weight = np.asarray(kda_truth.run_weights(runner.dumps.weights(), "bf16")["o_norm.weight"], np.float64)
     norm = kda_truth.bf16_contract_rounding(
         kda_truth.gated_rms_norm(stages["o_kda"], stages["g_out"], weight, runner.dumps.config.rms_norm_eps)
     )

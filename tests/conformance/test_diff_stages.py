@@ -105,6 +105,6 @@ def test_the_heatmap_shows_the_gate_that_decided(truth_dumps: Path) -> None:
     assert o_norm.comparison.judged_by == "relative" and not o_norm.comparison.passed
     assert shown_gate(o_norm.comparison) == "relative"
     ratio, label = judged_ratio(o_norm)
-    assert "truth" in label and ratio.max() > 1 and ratio.shape == o_norm.actual.shape
+    assert "truth" in label and ratio.max() > 1 and ratio.shape == o_norm.checked.sides.actual.shape
     kernel = _stages(truth_dumps, HeadsSwappedInTheLayer)[0]["o_kda"]
     assert shown_gate(kernel.comparison) == "absolute" and "ref" in judged_ratio(kernel)[1]

@@ -71,11 +71,11 @@ def test_a_chunk_state_off_with_its_output_holding_is_a_state_defect(synthetic_d
         for line in lines
     )
     # The worst element is where the adapter moved it, and the panels put it on its head at key × value.
-    worst = by_key["recurrent_state_chunk"].comparison.worst["index"]
-    num_seqs = by_key["recurrent_state_chunk"].actual.shape[0]
+    worst = by_key["recurrent_state_chunk"].comparison.measurement.worst["index"]
+    num_seqs = by_key["recurrent_state_chunk"].checked.sides.actual.shape[0]
     assert (worst["seq"], worst["head"], worst["key"], worst["value"]) == (num_seqs - 1, *OFF_AT[1:])
     panels = state_panels(by_key["recurrent_state_chunk"])
-    assert panels.shape == by_key["recurrent_state_chunk"].actual.shape[1:]
+    assert panels.shape == by_key["recurrent_state_chunk"].checked.sides.actual.shape[1:]
     assert np.unravel_index(np.argmax(panels), panels.shape) == OFF_AT[1:]
 
 

@@ -13,9 +13,10 @@ import pytest
 
 from conformance.checks.catalogue import CheckSpec
 from conformance.cli import main
-from conformance.judging.comparison import compare
 from conformance.judging.tolerances import DEFAULT_POLICY_FILE, Tolerance, TolerancePolicy
+from conformance.reports.check_record import summary
 from conformance.reports.report import Record, write_json
+from tests.conformance.absolute import compare
 from tests.conformance.report_files import criterion
 from tests.conformance.report_files import report_of as _report
 
@@ -28,7 +29,7 @@ def _check(case: str, check: str = "layer", error: float = 1e-6) -> dict[str, An
     reference = np.linspace(-1, 1, 16).reshape(8, 2)
     comparison = compare(reference + error, reference, STRICT, RFC, ("token", "channel"))
     status = "passed" if comparison.passed else "failed"
-    return Record(CheckSpec(case, "fp32", check), status, comparison.summary(), 0.1, comparison).as_dict(0.5)
+    return Record(CheckSpec(case, "fp32", check), status, summary(comparison), 0.1, comparison).as_dict(0.5)
 
 
 def _write(path: Path, report: dict[str, Any]) -> str:

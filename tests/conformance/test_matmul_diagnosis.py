@@ -18,6 +18,7 @@ from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
 from conformance.judging.matmul_diagnosis import CLOSER_FACTOR, diagnose
 from conformance.judging.tolerances import TolerancePolicy
+from conformance.reports.check_record import metrics, summary
 from kda_impl.models.kimi_linear import KimiDeltaAttention
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
@@ -64,14 +65,14 @@ def test_reduced_precision_matmuls_fail_fp32_and_are_named(
 ) -> None:
     runner = CheckRunner(golden, adapter_class, "auto", TolerancePolicy.load())
     for check in CHECKS:
-        comparison = runner.run(CheckSpec("T65", "fp32", check))
+        comparison = runner.run(CheckSpec("T65", "fp32", check)).comparison
         assert not comparison.passed, check
-        assert comparison.verdict == "impl", check
+        assert comparison.blame == "impl", check
         diagnosis = comparison.matmul_diagnosis
         assert diagnosis is not None and diagnosis.model.name == model, (check, diagnosis)
         assert diagnosis.nrmse_vs_model * CLOSER_FACTOR <= diagnosis.nrmse_vs_truth
-        assert "likely cause: the errors match" in comparison.summary()
-        assert comparison.as_dict()["matmul_diagnosis"]["model"] == model
+        assert "likely cause: the errors match" in summary(comparison)
+        assert metrics(comparison)["matmul_diagnosis"]["model"] == model
 
 
 def test_a_faithful_fp32_run_is_never_named(golden: DumpSet) -> None:
@@ -79,12 +80,12 @@ def test_a_faithful_fp32_run_is_never_named(golden: DumpSet) -> None:
     case = runner.case("T65")
     for check in CHECKS:
         spec = CheckSpec("T65", "fp32", check)
-        comparison = runner.run(spec)
+        comparison = runner.run(spec).comparison
         assert comparison.passed and comparison.matmul_diagnosis is None
-        actual, _, _, positions = runner.pair(case, spec)
-        truth, _ = runner.truth(case, spec, positions)
+        sides = runner.sides(case, spec)
+        truth, _ = runner.truth(case, spec, sides)
         # asked directly, the diagnosis names nothing either: the run is ~1e3x closer to the truth
-        assert runner.matmul_diagnosis(case, spec, np.asarray(actual), truth, positions) is None
+        assert runner.matmul_diagnosis(case, spec, sides, truth) is None
 
 
 def test_diagnose_needs_the_result_clearly_closer_to_the_model() -> None:

@@ -109,13 +109,13 @@ def test_late_drift_fails_only_the_windows_it_reaches(long_dumps: Path, case_id:
     runner = CheckRunner(DumpSet(str(long_dumps)), LateDrift, "auto", TolerancePolicy.load())
     check = "decode-positions" if "decode" in case_id else "layer-positions"
     spec = CheckSpec(case_id, "fp32", check)
-    comparison = runner.run(spec)
+    comparison = runner.run(spec).comparison
     profile = runner.position_profiles[spec.id]
     assert [w.passed for w in profile.windows] == [True, True, True, False]
     assert profile.decode_from == (768 if "decode" in case_id else None)
     assert not comparison.passed and comparison.judged_by == "relative"
     assert "1 of 4 windows of 256 tokens over the relative gate (tokens 768-1024)" in comparison.failures[0]
-    assert comparison.attribution.verdict == "impl"
+    assert comparison.attribution.blame == "impl"
     late, early = profile.windows[-1], profile.windows[0]
     # Before the drift the implementation is the reference itself: the same error, to the rounding of a
     # matmul over 768 rows instead of 1024 (numpy's OpenBLAS blocks them by CPU).
@@ -123,7 +123,7 @@ def test_late_drift_fails_only_the_windows_it_reaches(long_dumps: Path, case_id:
     assert early.impl_rms == pytest.approx(early.reference_rms, rel=1e-3)
 
     faithful = CheckRunner(DumpSet(str(long_dumps)), NumpyAdapter, "auto", TolerancePolicy.load())
-    assert faithful.run(spec).passed
+    assert faithful.run(spec).comparison.passed
 
 
 def test_a_long_set_without_truth_is_judged_by_position_against_the_computed_truth(
@@ -137,7 +137,7 @@ def test_a_long_set_without_truth_is_judged_by_position_against_the_computed_tru
         DumpSet(str(long_set(tmp_path, truth=False))), LateDrift, "auto", TolerancePolicy.load()
     )
     spec = CheckSpec("long_T1024", "fp32", "layer-positions")
-    comparison = runner.run(spec)
+    comparison = runner.run(spec).comparison
     assert [w.passed for w in runner.position_profiles[spec.id].windows] == [True, True, True, False]
     assert comparison.attribution.source.startswith(COMPUTED_LAYER_TRUTH_SOURCE)
 

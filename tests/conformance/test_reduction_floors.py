@@ -11,7 +11,7 @@ from conformance.checks.reductions import REFERENCE_CHUNK_TOKENS, reduction_of
 from conformance.judging.attribution import error_vs_truth, relative_criteria
 from conformance.judging.reduction import FP32_UNIT_ROUNDOFF, Reduction, head_scale, reduction_limits
 from conformance.judging.tolerances import TolerancePolicy
-from conformance.judging.verdict import Criterion
+from conformance.reports.check_record import criterion_from_record, criterion_record
 from kda_spec.config import get_preset
 
 POLICY = TolerancePolicy.load()
@@ -78,7 +78,7 @@ def test_a_raised_floor_says_where_it_comes_from_and_survives_the_report() -> No
     _, nrmse = relative_criteria(side, side, limits)
     assert "4096-long fp32 reduction" in nrmse.floor_source
     assert nrmse.floor == pytest.approx(math.sqrt(4096) * FP32_UNIT_ROUNDOFF)
-    rebuilt = Criterion.from_dict(nrmse.as_dict(), "test")
+    rebuilt = criterion_from_record(criterion_record(nrmse), "test")
     assert rebuilt == nrmse
     assert limits.as_dict()["reduction"]["length"] == 4096
 

@@ -39,7 +39,7 @@ def serving_results(adapter_class: type[KDAAdapter], names: list[str], dtype: st
     results = {}
     for spec in serving.plan([dtype]):
         try:
-            results[spec.check] = "passed" if serving.run(spec).passed else "failed"
+            results[spec.check] = "passed" if serving.run(spec).comparison.passed else "failed"
         except CheckSkipped as skip:
             results[spec.check] = f"skipped: {skip}"
     return results

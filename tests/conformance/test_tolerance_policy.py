@@ -10,8 +10,8 @@ import pytest
 from conformance.checks.catalogue import CheckSpec
 from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
-from conformance.judging.comparison import compare
 from conformance.judging.tolerances import TolerancePolicy
+from tests.conformance.absolute import compare
 from tests.conformance.numpy_adapter import NumpyAdapter
 
 POLICY = TolerancePolicy.load()
@@ -39,12 +39,14 @@ def test_state_of_a_short_sequence_is_exempt_from_the_nrmse_limit() -> None:
     comparison = compare(
         actual, reference, BF16, RFC_BF16, STATE_AXES, seq_lens=(5, 17, 1, 41), min_tokens=MIN
     )
-    assert comparison.passed and comparison.nrmse_gated and comparison.gated_nrmse == 0.0
-    assert comparison.nrmse > BF16.max_nrmse  # reported over the whole state
+    assert (
+        comparison.passed and comparison.measurement.nrmse_gated and comparison.measurement.gated_nrmse == 0.0
+    )
+    assert comparison.measurement.nrmse > BF16.max_nrmse  # reported over the whole state
     one_token = compare(
         actual[2:3], reference[2:3], BF16, RFC_BF16, STATE_AXES, seq_lens=(1,), min_tokens=MIN
     )
-    assert one_token.passed and not one_token.nrmse_gated
+    assert one_token.passed and not one_token.measurement.nrmse_gated
 
 
 def test_state_of_a_long_sequence_keeps_the_nrmse_limit() -> None:
@@ -64,6 +66,6 @@ def test_sequence_lengths_must_match_the_states() -> None:
 
 def test_the_suite_counts_the_tokens_behind_each_state(synthetic_dumps: Path) -> None:
     runner = CheckRunner(DumpSet(str(synthetic_dumps)), NumpyAdapter, "auto", POLICY)
-    assert not runner.run(CheckSpec("T1", "bf16", "layer-state")).nrmse_gated
-    assert runner.run(CheckSpec("T65", "bf16", "layer-state")).nrmse_gated
-    assert not runner.run(CheckSpec("T8", "bf16", "layer")).nrmse_gated
+    assert not runner.run(CheckSpec("T1", "bf16", "layer-state")).comparison.measurement.nrmse_gated
+    assert runner.run(CheckSpec("T65", "bf16", "layer-state")).comparison.measurement.nrmse_gated
+    assert not runner.run(CheckSpec("T8", "bf16", "layer")).comparison.measurement.nrmse_gated

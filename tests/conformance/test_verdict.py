@@ -7,6 +7,7 @@ import math
 import pytest
 
 from conformance.judging.verdict import Criterion, decide, judged_by
+from conformance.reports.check_record import criterion_from_record, criterion_record
 
 MARGIN = Criterion("absolute", "margin", 0.4, 1.0)
 NAN_FREE = Criterion("finite", "NaN/Inf values in the result", 0, 0.0)
@@ -33,9 +34,9 @@ def test_a_criterion_applies_from_its_tokens_and_not_where_its_exemption_holds()
         **{**CONTRACT.__dict__, "unless": Criterion("contract", "closer", 1e-4, 0.0, 1.0, 4e-4)}
     )
     assert not exempt.applies and exempt.holds and exempt.why_not_applied().startswith("exempt: closer")
-    assert (
-        few.as_dict()["not_applied"] == "not gated: 8 tokens < 32" and "not_applied" not in CONTRACT.as_dict()
-    )
+    assert criterion_record(few)[
+        "not_applied"
+    ] == "not gated: 8 tokens < 32" and "not_applied" not in criterion_record(CONTRACT)
 
 
 @pytest.mark.parametrize(
@@ -57,7 +58,7 @@ def test_the_gates_that_decide_are_the_modes_less_those_without_criteria(mode, g
 def test_a_check_holds_when_every_deciding_criterion_does() -> None:
     failing_absolute = Criterion("absolute", "margin", 3.0, 1.0)
     relative = decide("relative", [NAN_FREE, failing_absolute, RELATIVE])
-    assert relative.passed and relative.ratio == pytest.approx(0.8)  # the absolute margin is reported only
+    assert relative.passed and relative.ratio() == pytest.approx(0.8)  # the absolute margin is reported only
     assert decide("absolute+relative", [NAN_FREE, failing_absolute, RELATIVE]).failures() == ["margin 3 > 1"]
     contract = decide("relative+contract", [NAN_FREE, MARGIN, RELATIVE, CONTRACT])
     assert contract.failures() == ["precision contract: nRMSE vs the contract's model 0.003 > 0.002"]
@@ -68,10 +69,10 @@ def test_a_check_holds_when_every_deciding_criterion_does() -> None:
 
 
 def test_a_criterion_round_trips_through_a_report_and_its_derived_fields_are_never_read() -> None:
-    record = CONTRACT.as_dict()
+    record = criterion_record(CONTRACT)
     assert record["holds"] is False and record["unless"]["statistic"] == CLOSER.statistic
     record["holds"], record["applies"], record["bound"] = True, False, 1e9  # recomputed, not read
-    rebuilt = Criterion.from_dict(record, "check")
+    rebuilt = criterion_from_record(record, "check")
     assert rebuilt == CONTRACT and not rebuilt.holds
 
 
@@ -87,4 +88,4 @@ def test_a_criterion_round_trips_through_a_report_and_its_derived_fields_are_nev
 )
 def test_a_malformed_criterion_is_named(edit: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        Criterion.from_dict({**MARGIN.as_dict(), **edit}, "checks[0]")
+        criterion_from_record({**criterion_record(MARGIN), **edit}, "checks[0]")
