@@ -10,11 +10,7 @@ curves beside report.md as positions.json, positions.csv and, with matplotlib, p
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import json
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -23,7 +19,6 @@ from conformance.judging.comparison import Comparison, judge
 from conformance.judging.measurement import Measurement, elements_outside
 from conformance.judging.tolerances import RelativeLimits, Tolerance
 from conformance.judging.verdict import Criterion, worst_ratio
-from kda_spec.extras import MissingExtra, require
 
 WINDOW_TOKENS = 256
 # The checks of a long case that measure the error by position: the prefill's output, or the output of
@@ -34,27 +29,6 @@ POSITION_CHECKS = (LAYER_POSITIONS, DECODE_POSITIONS)
 # The gate of a position check is always the relative one, window by window: over tens of thousands of
 # tokens the question is whether the implementation drifts from the truth faster than the reference.
 POSITIONS_MODE = "relative"
-JSON_FILE, CSV_FILE, PNG_FILE = "positions.json", "positions.csv", "positions.png"
-POSITION_FILES = (JSON_FILE, CSV_FILE, PNG_FILE)
-CSV_COLUMNS = (
-    "case",
-    "dtype",
-    "check",
-    "window_start",
-    "window_end",
-    "phase",
-    "impl_worst",
-    "impl_rms",
-    "reference_worst",
-    "reference_rms",
-    "impl_margin",
-    "reference_margin",
-    "impl_nrmse",
-    "reference_nrmse",
-    "relative_ratio",
-    "passed",
-    "verdict",
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,25 +44,6 @@ class Window:
     @property
     def passed(self) -> bool:
         return all(criterion.holds for criterion in self.attribution.criteria)
-
-    def row(self, decode_from: int | None) -> dict[str, Any]:
-        a = self.attribution
-        return {
-            "window_start": self.start,
-            "window_end": self.end,
-            "phase": "decode" if decode_from is not None and self.start >= decode_from else "prefill",
-            "impl_worst": a.impl.max_abs,
-            "impl_rms": self.impl_rms,
-            "reference_worst": a.reference.max_abs,
-            "reference_rms": self.reference_rms,
-            "impl_margin": a.impl.margin,
-            "reference_margin": a.reference.margin,
-            "impl_nrmse": a.impl.nrmse,
-            "reference_nrmse": a.reference.nrmse,
-            "relative_ratio": worst_ratio(a.criteria),
-            "passed": self.passed,
-            "verdict": a.blame,
-        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,22 +65,6 @@ class PositionProfile:
     @property
     def failed(self) -> list[Window]:
         return [window for window in self.windows if not window.passed]
-
-    def rows(self) -> list[dict[str, Any]]:
-        ids = {"case": self.case_id, "dtype": self.dtype, "check": self.check}
-        return [{**ids, **window.row(self.decode_from)} for window in self.windows]
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "case": self.case_id,
-            "dtype": self.dtype,
-            "check": self.check,
-            "window_tokens": self.window_tokens,
-            "decode_from": self.decode_from,
-            "limits": self.windows[0].attribution.limits.as_dict(),
-            "passed": not self.failed,
-            "windows": [window.row(self.decode_from) for window in self.windows],
-        }
 
 
 def window_bounds(tokens: int, window_tokens: int) -> list[tuple[int, int]]:
@@ -205,83 +144,3 @@ def _with_windows(attribution: Attribution, windows: str, measured: Measurement)
             )
         criteria.append(criterion)
     return tuple(criteria)
-
-
-# ------------------------------------------------------------------------------------------- files
-
-
-def write_files(profiles: list[PositionProfile], folder: Path) -> list[str]:
-    """positions.json, positions.csv and (with matplotlib) positions.png in `folder`; returns the lines
-    of report.md's section on them (none without profiles)."""
-    if not profiles:
-        return []
-    payload = {"window_tokens": profiles[0].window_tokens, "profiles": [p.as_dict() for p in profiles]}
-    (folder / JSON_FILE).write_text(json.dumps(payload, indent=1, allow_nan=True) + "\n")
-    with (folder / CSV_FILE).open("w", newline="") as stream:
-        writer = csv.DictWriter(stream, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        for profile in profiles:
-            writer.writerows(profile.rows())
-    try:
-        require("matplotlib", PNG_FILE)
-    except MissingExtra as missing:
-        picture = f"no {PNG_FILE}: {missing}."
-    else:
-        draw(profiles, folder / PNG_FILE)
-        picture = f"![error by position]({PNG_FILE})"
-    return markdown_lines(profiles, picture)
-
-
-def markdown_lines(profiles: list[PositionProfile], picture: str) -> list[str]:
-    """report.md's section: each long case's first and last window, and the worst under the gate."""
-    lines = [
-        "",
-        "## Error by position (long cases)",
-        "",
-        f"Each side's error against the float64 truth per window of {profiles[0].window_tokens} tokens, "
-        f"gated window by window with the relative gate (every window in `{CSV_FILE}` / `{JSON_FILE}`).",
-        "",
-        "| case | dtype | windows over | first window: impl worst / RMS, reference worst / RMS "
-        "| last window: impl worst / RMS, reference worst / RMS | worst window (ratio to the gate) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for p in profiles:
-        first, last, worst = p.windows[0], p.windows[-1], p.worst
-        lines.append(
-            f"| {p.case_id} | {p.dtype} | {len(p.failed)} of {len(p.windows)} | {_errors(first)} | "
-            f"{_errors(last)} | {worst.start}-{worst.end} ({worst_ratio(worst.attribution.criteria):.3g}) |"
-        )
-    return [*lines, "", picture, ""]
-
-
-def _errors(window: Window) -> str:
-    a = window.attribution
-    impl = f"{a.impl.max_abs:.3g} / {window.impl_rms:.3g}"
-    return f"{impl}, {a.reference.max_abs:.3g} / {window.reference_rms:.3g}"
-
-
-def draw(profiles: list[PositionProfile], path: Path) -> None:
-    """One panel per long case and dtype: worst (solid) and RMS (dashed) error against the truth per
-    window, implementation and reference, on a log scale; a dotted line where decoding starts."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(len(profiles), 1, figsize=(9, 3 * len(profiles)), squeeze=False)
-    for ax, p in zip(axes[:, 0], profiles):
-        centres = [(w.start + w.end) / 2 for w in p.windows]
-        for side, colour in (("impl", "tab:blue"), ("reference", "tab:orange")):
-            worst = [getattr(w.attribution, side).max_abs for w in p.windows]
-            rms = [w.impl_rms if side == "impl" else w.reference_rms for w in p.windows]
-            ax.plot(centres, worst, color=colour, label=f"{side} worst")
-            ax.plot(centres, rms, color=colour, linestyle="--", label=f"{side} RMS")
-        if p.decode_from is not None:
-            ax.axvline(p.decode_from, color="grey", linestyle=":", label="decode starts")
-        ax.set_yscale("log")
-        ax.set_title(f"{p.case_id} {p.dtype}: |error| vs float64 truth per {p.window_tokens} tokens")
-        ax.set_xlabel("token")
-        ax.legend(fontsize="small", ncol=3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)

@@ -12,6 +12,7 @@ from conformance.judging.comparison import Comparison
 from conformance.judging.contract import ContractCheck
 from conformance.judging.matmul_diagnosis import MatmulDiagnosis
 from conformance.judging.verdict import Criterion, unmet, worst_ratio
+from conformance.reports.json_file import number_from_json
 
 _NUMBER_FIELDS = ("value", "factor", "reference", "floor")
 
@@ -150,13 +151,11 @@ def criterion_from_record(record: Mapping[str, Any], label: str) -> Criterion:
 
 
 def _number(record: Mapping[str, Any], name: str, label: str) -> float:
-    """A recorded number; report.json stores NaN and Inf as the strings 'nan', 'inf', '-inf'."""
-    value = record.get(name)
-    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
-        return float(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{label}: criterion {name!r} must be a number, found {value!r}")
-    return float(value)
+    """A recorded number (`number_from_json`)."""
+    value = number_from_json(record.get(name))
+    if value is None:
+        raise ValueError(f"{label}: criterion {name!r} must be a number, found {record.get(name)!r}")
+    return value
 
 
 def _count(record: Mapping[str, Any], name: str, label: str) -> int:

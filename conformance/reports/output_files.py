@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conformance.judging.positions import POSITION_FILES
+from conformance.reports.positions import POSITION_FILES
 
 REPORT_FILES = ("report.json", "report.md", "junit.xml", *POSITION_FILES)
 

@@ -7,7 +7,8 @@ from typing import Any
 
 from conformance.adapters.guard import fault_lines
 from conformance.judging.measurement import percent
-from conformance.reports.report import STATUSES, json_safe
+from conformance.reports.report import STATUSES
+from conformance.reports.json_file import json_safe
 from conformance.reports.tables import (
     ATTRIBUTION_NOTE,
     attribution_rows,

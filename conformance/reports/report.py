@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
-import math
-from pathlib import Path
 from typing import Any
 
 from conformance.checks.catalogue import CheckSpec
@@ -84,18 +81,3 @@ def build_report(
         "summary": summary_counts(records, close_margin),
         "checks": [record.as_dict(close_margin) for record in records],
     }
-
-
-def json_safe(value: Any) -> Any:
-    """NaN and Inf as strings, so that report.json stays standard JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {key: json_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(item) for item in value]
-    return value
-
-
-def write_json(report: dict[str, Any], path: Path) -> None:
-    path.write_text(json.dumps(json_safe(report), indent=1, allow_nan=False) + "\n")

@@ -14,6 +14,7 @@ import tabulate
 
 from conformance.checks.catalogue import GROUPS
 from conformance.judging.attribution import BLAMES
+from conformance.reports.json_file import number_from_json
 from conformance.judging.tolerances import CONTRACT_MODE
 
 _TEXT_WIDTH = 240  # wide enough that a table row never wraps in a log
@@ -39,19 +40,12 @@ def _limit(tolerance: dict[str, Any]) -> str:
     return _exponent(atol) if atol == rtol else f"{_exponent(atol)} + {_exponent(rtol)}·|b|"
 
 
-def _ratio(value: Any) -> float | None:
-    """A recorded ratio as a float (report.json writes NaN and Inf as strings), None when absent."""
-    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
-        return float(value)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
 def _cell(checks: list[dict[str, Any]]) -> str:
     """One group of checks as one cell: its worst ratio to the limit and a verdict."""
     if not checks:
         return ""
     statuses = {check["status"] for check in checks}
-    ratios = [_ratio(check["metrics"]["gate_ratio"]) for check in checks if check["metrics"]]
+    ratios = [number_from_json(check["metrics"]["gate_ratio"]) for check in checks if check["metrics"]]
     numbers = [r for r in ratios if r is not None]
     worst = math.nan if any(math.isnan(r) for r in numbers) else max(numbers, default=None)
     ratio = "" if worst is None else f"{worst:.2g} "

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from conformance.reports.json_file import write_json
 from conformance.search.judge import CHECKS, HEADROOM, CaseVerdict
 from conformance.search.space import regimes
 
@@ -70,17 +69,12 @@ class Tally:
                 check: {
                     "judged": self.judged[check],
                     "skipped": self.skipped[check],
-                    "worst_ratio": _finite_or_text(worst.ratio),
+                    "worst_ratio": worst.ratio,
                     "worst_case": worst.case,
                 }
                 for check, worst in self.worst.items()
             },
         }
-
-
-def _finite_or_text(value: float) -> float | str:
-    """JSON has no inf/NaN: those as text."""
-    return value if math.isfinite(value) else str(value)
 
 
 class SearchProgress:
@@ -153,14 +147,5 @@ def check_table(tally: Tally) -> Table:
 def write_report(out_dir: Path, report: dict[str, Any]) -> Path:
     """`search.json` in `out_dir`."""
     path = out_dir / REPORT_FILE
-    path.write_text(json.dumps(_json_safe(report), indent=2, allow_nan=False) + "\n")
+    write_json(report, path)
     return path
-
-
-def _json_safe(value: Any) -> Any:
-    """`value` with every inf/NaN float as text, throughout its dicts and lists."""
-    if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(item) for item in value]
-    return _finite_or_text(value) if isinstance(value, float) else value

@@ -13,7 +13,6 @@ serving path (the search cannot answer).
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import shlex
 import time
@@ -33,6 +32,7 @@ from conformance.checks.serving_scenarios import Scenario, write_scenarios
 from conformance.dumps.reader import DumpSet
 from conformance.judging.tolerances import TolerancePolicy
 from conformance.reports.check_record import summary
+from conformance.reports.json_file import write_json
 from conformance.search.serving_space import schedule_strategy
 
 EXIT_CLEAN, EXIT_FOUND, EXIT_CANNOT_ANSWER = 0, 1, 2
@@ -192,4 +192,4 @@ def _write_report(
             "replay": replay_command(options),
             "scenario": found.as_dict(),
         }
-    (options.out / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
+    write_json(report, options.out / REPORT_FILE)

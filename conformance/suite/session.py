@@ -25,12 +25,13 @@ from conformance.checks.serving_scenarios import fixed_scenarios, load_scenarios
 from conformance.dumps.bundled import is_bundled
 from conformance.dumps.reader import DumpSet
 from conformance.judging.comparison import Comparison
-from conformance.judging.positions import write_files as write_position_files
 from conformance.judging.tolerances import TolerancePolicy
 from conformance.reports.check_record import summary
+from conformance.reports.json_file import write_json
 from conformance.reports.junit import write_junit
+from conformance.reports.positions import write_files as write_position_files
 from conformance.reports.render import markdown
-from conformance.reports.report import Record, build_report, write_json
+from conformance.reports.report import Record, build_report
 from conformance.runtime.environment import environment
 from conformance.suite.options import SuiteOptions
 

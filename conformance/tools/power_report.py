@@ -14,8 +14,8 @@ import tabulate
 
 from conformance.dumps.reader import DumpSet
 from conformance.judging.tolerances import TolerancePolicy
+from conformance.reports.json_file import write_json
 from conformance.reports.output_files import check_writable_file
-from conformance.reports.report import write_json
 from conformance.reports.tables import format_text_table
 from conformance.tools.power import (
     BISECT_STEPS,

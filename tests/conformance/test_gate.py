@@ -15,7 +15,8 @@ from conformance.checks.catalogue import CheckSpec
 from conformance.cli import main
 from conformance.judging.tolerances import DEFAULT_POLICY_FILE, Tolerance, TolerancePolicy
 from conformance.reports.check_record import summary
-from conformance.reports.report import Record, write_json
+from conformance.reports.json_file import write_json
+from conformance.reports.report import Record
 from tests.conformance.absolute import compare
 from tests.conformance.report_files import criterion
 from tests.conformance.report_files import report_of as _report

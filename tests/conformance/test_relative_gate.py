@@ -20,7 +20,8 @@ from conformance.judging.measurement import Measurement
 from conformance.judging.tolerances import ModeRule, RelativeLimits, Tolerance, TolerancePolicy
 from conformance.judging.verdict import unmet
 from conformance.reports.check_record import summary
-from conformance.reports.report import Record, write_json
+from conformance.reports.json_file import write_json
+from conformance.reports.report import Record
 from conformance.tools.gate import ReportError, breaches, load_report
 from tests.conformance import broken_adapters
 from tests.conformance.absolute import compare
