@@ -34,9 +34,10 @@ from conformance.judging.tolerances import DEFAULT_POLICY_FILE, TolerancePolicy,
 from conformance.reports.output_files import check_writable_file
 from conformance.runtime.compile_cache import enable_compile_cache
 from conformance.runtime.cpu_compile import prefer_fast_cpu_compile
-from conformance.runtime.run_platform import REQUIRABLE_PLATFORMS, platform_breaches
+from conformance.runtime.run_platform import REQUIRABLE_PLATFORMS
 from conformance.suite import SUITE_FILE, SUITE_ROOT
 from conformance.suite.options import add_implementation_options, add_selection_options, suite_options
+from conformance.tools.gate import platform_breaches
 from kda_spec.dump_format import DTYPES
 from kda_spec.extras import MissingExtra, missing_extra, require
 

@@ -34,7 +34,7 @@ CONFORMANCE_LAYERS = {
     "adapters": {"adapter"},
     "judging": {"runtime"},
     "checks": {"adapter", "adapters", "dumps", "judging"},
-    "reports": {"adapters", "checks", "judging", "runtime"},
+    "reports": {"checks", "judging", "runtime"},
     "tools": {"adapter", "adapters", "checks", "dumps", "judging", "reports", "runtime"},
     "search": {"adapter", "adapters", "checks", "dumps", "judging", "reports", "runtime"},
     "suite": {"adapter", "adapters", "checks", "dumps", "judging", "reports", "runtime"},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from conformance.adapters.guard import fault_lines
+from conformance.reports.faults import fault_lines
 from conformance.judging.measurement import percent
 from conformance.reports.report import STATUSES
 from conformance.reports.json_file import json_safe
@@ -20,7 +20,7 @@ from conformance.reports.tables import (
     truth_error_text,
     verdict_text,
 )
-from conformance.runtime.run_platform import (
+from conformance.reports.platform import (
     interpret_warning,
     platform_lines,
     platform_markdown,

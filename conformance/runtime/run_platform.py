@@ -2,8 +2,9 @@
 
 The report keeps them as `environment.platform` (report.json), with the run's matmul precision and what
 DEFAULT means on the platform (`matmul_precision`), says them first (report.md, the terminal
-summary), warns loudly when Pallas ran only in its interpreter, and `gate --require-platform` (or the
-policy's `[platform] require`) refuses a report made elsewhere or with interpreted Pallas kernels.
+summary: `conformance.reports.platform`), warns loudly when Pallas ran only in its interpreter, and
+`gate --require-platform` (or the policy's `[platform] require`) refuses a report made elsewhere or with
+interpreted Pallas kernels (`conformance.tools.gate.platform_breaches`).
 
 How a kernel ran is the adapter's `kernel_used` (`pallas (mosaic, tpu)`, `pallas (interpret, cpu)`,
 `naive (xla, cpu)`; docs/adapters.md). An adapter that names Pallas without saying how gets what this
@@ -17,13 +18,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from conformance.runtime.host_platform import PLATFORMS
-from conformance.runtime.matmul_precision import matmul_precision, matmul_precision_line
+from conformance.runtime.matmul_precision import matmul_precision
 
 REQUIRABLE_PLATFORMS = PLATFORMS  # a gate can require any platform a host can be
 _INTERPRETED = re.compile(r"\(\s*interpret\s*,")
-_INTERPRET_WARNING = (
-    "WARNING: Pallas ran in interpret mode on {where} ({dtypes}): this says nothing about Mosaic on a TPU"
-)
 
 
 def platform_name(backend: str, platform_version: str) -> str:
@@ -81,63 +79,6 @@ def platform_block(
     return block
 
 
-def _recorded(report: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The report's `environment.platform`, or None where it has none."""
-    environment = report.get("environment")
-    platform = environment.get("platform") if isinstance(environment, Mapping) else None
-    return platform if isinstance(platform, Mapping) else None
-
-
-def devices_label(platform: Mapping[str, Any]) -> str:
-    """`tpu, TPU v5 lite ×4` or `cpu, cpu ×1`: the platform, the kind and count of its devices."""
-    name, kind, count = (platform.get(key, "?") for key in ("name", "device_kind", "device_count"))
-    label = f"{name}, {kind} ×{count}"
-    processes = platform.get("process_count", 1)
-    return label if processes == 1 else f"{label} in {processes} processes"
-
-
-def _kernels_label(kernels: Mapping[str, str]) -> str:
-    """`pallas (mosaic, tpu) (fp32, bf16)` when every dtype ran alike, else each dtype's."""
-    if len(set(kernels.values())) == 1:
-        return f"{next(iter(kernels.values()))} ({', '.join(kernels)})"
-    return "; ".join(f"{dtype}: {execution}" for dtype, execution in kernels.items()) or "none ran"
-
-
-def interpret_warning(report: Mapping[str, Any]) -> str | None:
-    """The warning for a run whose Pallas kernels ran in the interpreter, or None."""
-    platform = _recorded(report)
-    if not platform or not platform.get("pallas_interpreted"):
-        return None
-    return _INTERPRET_WARNING.format(
-        where=platform.get("name", "?"), dtypes=", ".join(platform["pallas_interpreted"])
-    )
-
-
-def platform_lines(report: Mapping[str, Any]) -> list[str]:
-    """The first lines of a report: where it ran, how the kernels ran, its matmul precision, and the
-    interpret warning."""
-    platform = _recorded(report)
-    if platform is None:
-        return ["platform: not recorded in this report"]
-    lines = [
-        f"platform: {devices_label(platform)} (JAX backend {platform.get('backend', '?')})",
-        f"kernels: {_kernels_label(platform.get('kernels', {}))}",
-    ]
-    precision = platform.get("matmul_precision")
-    if isinstance(precision, Mapping):  # reports made before it have none
-        lines.append(matmul_precision_line(precision))
-    warning = interpret_warning(report)
-    return lines if warning is None else [*lines, warning]
-
-
-def platform_markdown(report: Mapping[str, Any]) -> list[str]:
-    """`platform_lines` for report.md: a list, and the warning in bold after it."""
-    lines = platform_lines(report)
-    warning = interpret_warning(report)
-    shown = [f"- {line}" for line in lines if line != warning]
-    return shown if warning is None else [*shown, "", f"**{warning}**"]
-
-
 def check_required_platform(value: Any, name: str) -> str:
     """`value` if it names a platform a gate can require, else a ValueError naming it."""
     if value not in REQUIRABLE_PLATFORMS:
@@ -145,28 +86,8 @@ def check_required_platform(value: Any, name: str) -> str:
     return value
 
 
-def platform_breaches(report: Mapping[str, Any], required: str) -> list[str]:
-    """Why the report was not made on `required`, one line per reason: another platform, no record of
-    one, or Pallas kernels that ran in the interpreter (recomputed from the recorded `kernels`; accepted
-    when `required` is `cpu`, where Pallas has nothing else)."""
-    platform = _recorded(report)
-    if platform is None:
-        return [f"platform: required {required}, but the report records none (environment.platform)"]
-    found = []
-    if platform.get("name") != required:
-        found.append(f"platform: required {required}, the report was made on {devices_label(platform)}")
-    kernels = platform.get("kernels", {})
-    if not isinstance(kernels, Mapping) or not all(isinstance(k, str) for k in kernels.values()):
-        return [*found, f"platform: 'kernels' must map each dtype to a string, found {kernels!r}"]
-    interpreted = {
-        dtype: execution
-        for dtype, execution in kernels.items()
-        if is_interpreted(kernel_execution(execution, str(platform.get("name"))))
-    }
-    if required != "cpu":
-        found += [
-            f"platform: required {required}, but the {dtype} kernels ran {execution}: Pallas interpreted, "
-            "never compiled"
-            for dtype, execution in interpreted.items()
-        ]
-    return found
+def recorded_platform(report: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The report's `environment.platform`, or None where it has none."""
+    environment = report.get("environment")
+    platform = environment.get("platform") if isinstance(environment, Mapping) else None
+    return platform if isinstance(platform, Mapping) else None

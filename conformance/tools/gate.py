@@ -9,12 +9,15 @@ reports are only compared when they were made on the same dump set (the sha256 o
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from conformance.judging.verdict import MODE_GATES, Verdict, decide
 from conformance.reports.check_record import criterion_from_record
+from conformance.reports.platform import devices_label
 from conformance.reports.report import REPORT_FORMAT, REPORT_VERSION, STATUSES
+from conformance.runtime.run_platform import is_interpreted, kernel_execution, recorded_platform
 
 _CHECK_TEXT_FIELDS = ("id", "status", "message")
 
@@ -204,4 +207,31 @@ def breaches(
                 f"{check['id']}: error grew over the baseline: ratio to the limit {old_ratio:.3g} → "
                 f"{new_ratio:.3g} (×{growth:.3g}, allowed ×{growth_factor:g})"
             )
+    return found
+
+
+def platform_breaches(report: Mapping[str, Any], required: str) -> list[str]:
+    """Why the report was not made on `required`, one line per reason: another platform, no record of
+    one, or Pallas kernels that ran in the interpreter (recomputed from the recorded `kernels`; accepted
+    when `required` is `cpu`, where Pallas has nothing else)."""
+    platform = recorded_platform(report)
+    if platform is None:
+        return [f"platform: required {required}, but the report records none (environment.platform)"]
+    found = []
+    if platform.get("name") != required:
+        found.append(f"platform: required {required}, the report was made on {devices_label(platform)}")
+    kernels = platform.get("kernels", {})
+    if not isinstance(kernels, Mapping) or not all(isinstance(k, str) for k in kernels.values()):
+        return [*found, f"platform: 'kernels' must map each dtype to a string, found {kernels!r}"]
+    interpreted = {
+        dtype: execution
+        for dtype, execution in kernels.items()
+        if is_interpreted(kernel_execution(execution, str(platform.get("name"))))
+    }
+    if required != "cpu":
+        found += [
+            f"platform: required {required}, but the {dtype} kernels ran {execution}: Pallas interpreted, "
+            "never compiled"
+            for dtype, execution in interpreted.items()
+        ]
     return found

@@ -10,13 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import tabulate
-
 from conformance.dumps.reader import DumpSet
 from conformance.judging.tolerances import TolerancePolicy
 from conformance.reports.json_file import write_json
 from conformance.reports.output_files import check_writable_file
-from conformance.reports.tables import format_text_table
+from conformance.reports.tables import format_text_table, markdown_table
 from conformance.tools.power import (
     BISECT_STEPS,
     GRID,
@@ -139,12 +137,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"bisected {BISECT_STEPS} times in log space (within ×1.33 above the threshold); `default policy`: "
         "the policy file as it is; `absolute gate`: every check by its absolute limits alone.",
         "",
-        *tabulate.tabulate(
-            [[c.replace("|", "\\|") for c in row] for row in body],
-            headers=header,
-            tablefmt="github",
-            disable_numparse=True,
-        ).splitlines(),
+        *markdown_table(header, body),
         "",
         *(f"- {line}" for line in baseline_lines(result)),
         f"- {comparison_line(result)}",

@@ -8,16 +8,15 @@ from typing import Any
 import jax
 import pytest
 
+from conformance.reports.platform import platform_lines, platform_markdown
 from conformance.runtime.matmul_precision import default_meaning
 from conformance.runtime.run_platform import (
     check_required_platform,
     kernel_execution,
     platform_block,
-    platform_breaches,
-    platform_lines,
-    platform_markdown,
     platform_name,
 )
+from conformance.tools.gate import platform_breaches
 
 CPU = {"name": "cpu", "backend": "cpu", "device_kind": "cpu", "device_count": 1, "process_count": 1}
 TPU = {"name": "tpu", "backend": "tpu", "device_kind": "TPU v5 lite", "device_count": 4, "process_count": 1}
