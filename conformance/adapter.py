@@ -43,12 +43,12 @@ from __future__ import annotations
 import abc
 import dataclasses
 import importlib
-from collections.abc import Mapping
+import traceback
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
 
-from conformance.adapters.tracebacks import own_traceback
 from kda_spec.config import KDAConfig
 from kda_spec.extras import missing_extra
 
@@ -227,6 +227,15 @@ class KDAAdapter(abc.ABC):
 # Pallas ones.
 KERNEL_CHOICES = ("auto", "naive", "pallas")
 BUILTIN_ADAPTERS = {"kda_impl": "conformance.adapters.kda_impl_adapter:KDAImplAdapter"}
+
+
+def own_traceback(err: BaseException, hidden: Callable[[str], bool]) -> str:
+    """`err`'s traceback as Python prints it, without the frames whose file name `hidden` accepts: an
+    implementation's own traceback, the suite's frames and Python's import machinery left out, so that
+    what a user reads starts and ends in their code."""
+    frames = [frame for frame in traceback.extract_tb(err.__traceback__) if not hidden(frame.filename)]
+    lines = ["Traceback (most recent call last):\n", *traceback.format_list(frames)]
+    return "".join([*lines, *traceback.format_exception_only(type(err), err)])
 
 
 class AdapterImportError(Exception):
