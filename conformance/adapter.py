@@ -20,6 +20,9 @@ The suite builds it once per run dtype and reuses it for every check of that dty
   in `parse_options`, which raises ValueError for an unknown key or a bad value; the command line calls
   it before the run, so that a bad option is a one-line usage error (exit 2).
 
+`KDAAdapter`'s constructor checks `dtype` and the options and keeps the five as attributes of the same
+names (`options` as `parse_options` returns them); an adapter's own constructor calls it first.
+
 Arrays, in and out, are numpy. T is the number of tokens of a packed batch of N sequences;
 `cu_seqlens` [N+1] int32 are their offsets (0, ..., T). Inputs are float32; in a bf16 run they hold
 what the bf16 reference computed with (the hidden states rounded to bf16). Results are float32: a
@@ -43,13 +46,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 import importlib
-from collections.abc import Mapping
+import traceback
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
 
-from conformance.adapters.tracebacks import own_traceback
 from kda_spec.config import KDAConfig
+from kda_spec.dump_format import DTYPES
 from kda_spec.extras import missing_extra
 
 
@@ -97,6 +101,8 @@ class KDAAdapter(abc.ABC):
         *,
         options: Mapping[str, str] | None = None,
     ):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.config = config
         self.weights = weights
         self.dtype = dtype
@@ -227,6 +233,15 @@ class KDAAdapter(abc.ABC):
 # Pallas ones.
 KERNEL_CHOICES = ("auto", "naive", "pallas")
 BUILTIN_ADAPTERS = {"kda_impl": "conformance.adapters.kda_impl_adapter:KDAImplAdapter"}
+
+
+def own_traceback(err: BaseException, hidden: Callable[[str], bool]) -> str:
+    """`err`'s traceback as Python prints it, without the frames whose file name `hidden` accepts: an
+    implementation's own traceback, the suite's frames and Python's import machinery left out, so that
+    what a user reads starts and ends in their code."""
+    frames = [frame for frame in traceback.extract_tb(err.__traceback__) if not hidden(frame.filename)]
+    lines = ["Traceback (most recent call last):\n", *traceback.format_list(frames)]
+    return "".join([*lines, *traceback.format_exception_only(type(err), err)])
 
 
 class AdapterImportError(Exception):

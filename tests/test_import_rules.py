@@ -30,7 +30,7 @@ KDA_IMPL_IN_CONFORMANCE = {
 CONFORMANCE_LAYERS = {
     "runtime": set(),
     "dumps": set(),
-    "adapter": {"adapters"},
+    "adapter": set(),
     "adapters": {"adapter"},
     "judging": {"runtime"},
     "checks": {"adapter", "adapters", "dumps", "judging"},

@@ -28,7 +28,6 @@ from kda_impl.kernels import chunk_kda
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.models.kimi_linear import KimiDeltaAttention
 from kda_impl.parallel import mesh_sizes
-from kda_spec.config import KDAConfig
 
 
 class BetaSigmoidInRunDtype(KimiDeltaAttention):
@@ -116,18 +115,10 @@ class DefectiveKDAImpl(KDAImplAdapter):
     name = "kda_impl with an injected defect"
     backend_class = StateLeakBackend
 
-    def __init__(
-        self,
-        config: KDAConfig,
-        weights: dict[str, np.ndarray],
-        dtype: str,
-        kernel: str = "auto",
-        *,
-        options: Mapping[str, str] | None = None,
-        layer_class: type[KimiDeltaAttention] = KimiDeltaAttention,
-    ):
+    def __init__(self, *args: Any, layer_class: type[KimiDeltaAttention] = KimiDeltaAttention, **kwargs: Any):
+        """The built-in adapter's arguments, and the class of the layer to build."""
         self.layer_class = layer_class  # before the built-in adapter builds its layer with it
-        super().__init__(config, weights, dtype, kernel, options=options)
+        super().__init__(*args, **kwargs)
         # The built-in forward's jitted step; each `inject` binds it to new parameters (no recompilation).
         self._step, (self._dump_params,) = self._forward.func, self._forward.args
         leaky_chunk = jax.jit(

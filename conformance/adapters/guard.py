@@ -26,8 +26,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from conformance.adapter import LayerResult
-from conformance.adapters.tracebacks import own_traceback
+from conformance.adapter import LayerResult, own_traceback
 from kda_spec import dump_format as fmt
 
 #: What the suite accepts as a float result: float32, or a dtype that float32 holds exactly.

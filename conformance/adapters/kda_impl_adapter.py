@@ -38,7 +38,6 @@ from kda_impl.model_executor.forward_batch import (
 from kda_impl.models.kimi_linear import KimiDeltaAttention, jit_forward
 from kda_impl.parallel import make_mesh, mesh_sizes
 from kda_impl.weights import layer_from_hf_weights
-from kda_spec.config import KDAConfig
 
 RUN_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 
@@ -70,24 +69,14 @@ class KDAImplAdapter(KDAAdapter):
     # The pool class of its serving path (`serving_open`; a defective adapter swaps it).
     serving_pool_class: ClassVar[type[RecurrentStatePool]] = RecurrentStatePool
 
-    def __init__(
-        self,
-        config: KDAConfig,
-        weights: dict[str, np.ndarray],
-        dtype: str,
-        kernel: str = "auto",
-        *,
-        options: Mapping[str, str] | None = None,
-    ):
-        super().__init__(config, weights, dtype, kernel, options=options)
-        if dtype not in RUN_DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(RUN_DTYPES)}, got {dtype!r}")
-        self._run_dtype = RUN_DTYPES[dtype]
-        self._kernel = None if kernel == "auto" else kernel
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._run_dtype = RUN_DTYPES[self.dtype]
+        self._kernel = None if self.kernel == "auto" else self.kernel
         self._mesh = make_mesh(tp=self.options["tp"], dp=self.options["dp"])
         # The first KDA layer of the model (layer 0 when the config lists none, as a dump's does).
-        self._layer_idx = min((i - 1 for i in config.kda_layers), default=0)
-        module = self._new_layer(weights, "the dump's weights")
+        self._layer_idx = min((i - 1 for i in self.config.kda_layers), default=0)
+        module = self._new_layer(self.weights, "the dump's weights")
         self._backend = self.backend_class(kernel=self._kernel)
         self._forward = jit_forward(module, return_intermediates=True)
         self._pool: RecurrentStatePool | None = None

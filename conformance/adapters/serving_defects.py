@@ -145,22 +145,36 @@ class OneTokenConvLookbackZeros(KDAImplAdapter):
 # --------------------------------------------------------------------------------- slot indices
 
 
-@jax.tree_util.register_pytree_node_class
-class ShiftedSlotsBackend(KDAAttnBackend):
-    """EXTEND metadata whose 1-token rows after a prefill row take the slot of the next such row."""
+class _MovedSlots(KDAAttnBackend):
+    """A backend whose forward metadata runs rows on other slots than the scheduler gave them."""
+
+    def move(self, mode: ForwardMode, lens: np.ndarray, slots: np.ndarray, num_slots: int) -> bool:
+        """Move rows of the batch (`lens` tokens each) to other slots in `slots`, a copy of the scheduler's
+        (`num_slots` in the pool); whether it moved any."""
+        raise NotImplementedError
 
     def get_forward_metadata(self, forward_mode, seq_lens, recurrent_indices, *, num_slots) -> Any:
         metadata = super().get_forward_metadata(
             forward_mode, seq_lens, recurrent_indices, num_slots=num_slots
         )
-        lens, slots = np.asarray(seq_lens), np.array(recurrent_indices)
-        if forward_mode != ForwardMode.EXTEND or not np.any(lens > 1):
+        slots = np.array(recurrent_indices)
+        if not self.move(forward_mode, np.asarray(seq_lens), slots, num_slots):
             return metadata
+        return type(metadata)(cu_q_lens=metadata.cu_q_lens, recurrent_indices=jnp.asarray(slots, jnp.int32))
+
+
+@jax.tree_util.register_pytree_node_class
+class ShiftedSlotsBackend(_MovedSlots):
+    """EXTEND metadata whose 1-token rows after a prefill row take the slot of the next such row."""
+
+    def move(self, mode: ForwardMode, lens: np.ndarray, slots: np.ndarray, num_slots: int) -> bool:
+        if mode != ForwardMode.EXTEND or not np.any(lens > 1):
+            return False
         after = np.flatnonzero(
             (lens == 1) & (np.arange(lens.size) > np.argmax(lens > 1)) & (slots != DUMMY_SLOT)
         )
         slots[after] = np.roll(slots[after], -1)
-        return type(metadata)(cu_q_lens=metadata.cu_q_lens, recurrent_indices=jnp.asarray(slots, jnp.int32))
+        return True
 
 
 class ShiftedDecodeSlots(KDAImplAdapter):
@@ -169,19 +183,15 @@ class ShiftedDecodeSlots(KDAImplAdapter):
 
 
 @jax.tree_util.register_pytree_node_class
-class PaddingWritesBackend(KDAAttnBackend):
+class PaddingWritesBackend(_MovedSlots):
     """Metadata whose first padding row runs on the last real slot when no request of the batch holds it."""
 
-    def get_forward_metadata(self, forward_mode, seq_lens, recurrent_indices, *, num_slots) -> Any:
-        metadata = super().get_forward_metadata(
-            forward_mode, seq_lens, recurrent_indices, num_slots=num_slots
-        )
-        slots = np.array(recurrent_indices)
+    def move(self, mode: ForwardMode, lens: np.ndarray, slots: np.ndarray, num_slots: int) -> bool:
         padding = np.flatnonzero(slots == DUMMY_SLOT)
         if padding.size == 0 or num_slots in slots:
-            return metadata
+            return False
         slots[padding[0]] = num_slots
-        return type(metadata)(cu_q_lens=metadata.cu_q_lens, recurrent_indices=jnp.asarray(slots, jnp.int32))
+        return True
 
 
 class PaddingWritesSlot(KDAImplAdapter):

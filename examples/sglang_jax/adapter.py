@@ -42,7 +42,6 @@ from flax import nnx
 
 from conformance.adapter import KDAAdapter, LayerResult
 from examples.sglang_jax.layout import check_state, conv_state_to_dump, seq_lens_of, sglang_jax_params
-from kda_spec.config import KDAConfig
 
 CHECKOUT_OPTION, CHECKOUT_ENV = "sglang_jax", "SGLANG_JAX"
 SERVER_ONLY_MODULES = (
@@ -123,27 +122,17 @@ class SglangJaxAdapter(KDAAdapter):
         "interpret": "1 or 0: run the Pallas kernels in interpret mode (default: 1 unless on a TPU)",
     }
 
-    def __init__(
-        self,
-        config: KDAConfig,
-        weights: dict[str, np.ndarray],
-        dtype: str,
-        kernel: str = "auto",
-        *,
-        options: Mapping[str, str] | None = None,
-    ):
-        super().__init__(config, weights, dtype, kernel, options=options)
-        if dtype not in RUN_DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(RUN_DTYPES)}, got {dtype!r}")
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
         checkout, interpret = self.options[CHECKOUT_OPTION], self.options["interpret"]
         os.environ["PALLAS_INTERPRET"] = interpret  # read by sgl_jax's kernels at trace time
         self._source = import_sgl_jax(checkout)
         self._stubbed = stub_server_modules()
         self._sgl = _SglJax.load()
-        self._run_dtype = RUN_DTYPES[dtype]
+        self._run_dtype = RUN_DTYPES[self.dtype]
         self._mesh = jax.make_mesh((1, 1), ("data", "tensor"))
-        self._layer_idx = min((i - 1 for i in config.kda_layers), default=0)
-        self._module = self._build_module(sglang_jax_params(config, weights))
+        self._layer_idx = min((i - 1 for i in self.config.kda_layers), default=0)
+        self._module = self._build_module(sglang_jax_params(self.config, self.weights))
         self._kda_backend = self._sgl.KDAAttnBackend(mesh=self._mesh)
         self._backend = self._sgl.HybridLinearAttnBackend(
             full_attn_backend=None, linear_attn_backend=self._kda_backend, full_attn_layers=()

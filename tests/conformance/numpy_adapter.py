@@ -2,8 +2,9 @@
 
 It writes the synthetic dump sets of the tests, and is held to golden/ (transformers' torch layer)
 by tests/conformance/test_broken.py, so that its own dumps are not its only oracle; its small
-overridable steps (`gate`, `conv`, `decode`) let the tests break it on purpose. Token loops
-throughout: clear, and fast enough at test sizes.
+overridable steps (`gate`, `conv`, `forward`) let the tests break it on purpose. Its recurrence is
+`kda_spec.truth.packed_delta_rule` run on fp32 inputs, its l2 norm the checker's (`checks.calls.l2norm`).
+Token loops throughout: clear, and fast enough at test sizes.
 """
 
 from __future__ import annotations
@@ -14,47 +15,13 @@ import ml_dtypes
 import numpy as np
 
 from conformance.adapter import KDAAdapter, LayerResult
-from kda_spec.truth import L2NORM_EPS
+from conformance.checks.calls import l2norm
+from kda_spec.truth import packed_delta_rule
 
 
 def round_bf16(x: np.ndarray) -> np.ndarray:
     """float32 values rounded to the nearest bfloat16 (kept as float32)."""
     return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
-
-
-def l2norm(x: np.ndarray) -> np.ndarray:
-    """Per-head L2 normalisation over the last axis, in fp32 (kda-layer.md step 5)."""
-    x = x.astype(np.float32)
-    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
-
-
-def recurrent_kda(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    g: np.ndarray,
-    beta: np.ndarray,
-    cu_seqlens: np.ndarray,
-    initial_state: np.ndarray | None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """The recurrence of kda-layer.md step 6 on a packed batch.
-
-    q, k (l2-normalised), v, g: [T, H, D]; beta: [T, H]; initial_state: [N, H, D, D] or None.
-    Returns o [T, H, D] and the final states [N, H, D, D], fp32.
-    """
-    num_seqs, heads, dim = len(cu_seqlens) - 1, q.shape[1], q.shape[2]
-    scale = dim**-0.5
-    o = np.zeros(q.shape, np.float32)
-    states = np.zeros((num_seqs, heads, dim, dim), np.float32)
-    for n in range(num_seqs):
-        s = np.zeros((heads, dim, dim), np.float32) if initial_state is None else initial_state[n].copy()
-        for t in range(cu_seqlens[n], cu_seqlens[n + 1]):
-            s = s * np.exp(g[t])[:, :, None]
-            residual = v[t] - np.einsum("hk,hkv->hv", k[t], s)
-            s = s + beta[t][:, None, None] * k[t][:, :, None] * residual[:, None, :]
-            o[t] = np.einsum("hk,hkv->hv", q[t] * scale, s)
-        states[n] = s
-    return o, states
 
 
 @dataclasses.dataclass
@@ -118,7 +85,7 @@ class NumpyAdapter(KDAAdapter):
         )
         g = self.gate(f.astype(np.float32)).astype(np.float32)
         beta = 1 / (1 + np.exp(-self.linear(x, "b_proj.weight")))
-        o, states = recurrent_kda(l2norm(q), l2norm(k), v, g, beta, cu_seqlens, carry.recurrent_state)
+        o, states = packed_delta_rule(l2norm(q), l2norm(k), v, g, beta, cu_seqlens, carry.recurrent_state)
         o = self.cast(o)
         g_out = self.heads(self.linear(self.linear(x, "g_a_proj.weight"), "g_b_proj.weight"))
         rms = 1 / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + cfg.rms_norm_eps)
@@ -149,7 +116,7 @@ class NumpyAdapter(KDAAdapter):
         return self.forward(hidden_states, np.arange(num_seqs + 1), carry)
 
     def chunk_kernel(self, q, k, v, g, beta, cu_seqlens, initial_state):
-        o, states = recurrent_kda(q, k, self.cast(v), g, beta, cu_seqlens, initial_state)
+        o, states = packed_delta_rule(q, k, self.cast(v), g, beta, cu_seqlens, initial_state)
         return self.cast(o), states
 
     recurrent_kernel = chunk_kernel

@@ -15,7 +15,7 @@ to catch. The search must find each unaided.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -104,26 +104,31 @@ def _defective_chunk(kernel: str | None, defect: str) -> Any:
     return jax.jit(chunk)
 
 
-class RunningSumDecay(KDAImplAdapter):
+class _ChunkDefect(KDAImplAdapter):
+    """A defect of the chunk kernel, in the layer's prefill (`backend_class`) and in the chunk kernel
+    check (`defect`, as `_defective_chunk` names it) alike."""
+
+    defect: ClassVar[str]
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._chunk = _defective_chunk(self._kernel, self.defect)
+
+
+class RunningSumDecay(_ChunkDefect):
     """Decay factors from differences of fp32 running sums, in the layer and in the chunk kernel check."""
 
     name = "seeded: decays from running sums"
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._backend = RunningSumBackend(kernel=self._kernel)
-        self._chunk = _defective_chunk(self._kernel, "running-sum")
+    backend_class = RunningSumBackend
+    defect = "running-sum"
 
 
-class StateDroppedAtChunkBoundary(KDAImplAdapter):
+class StateDroppedAtChunkBoundary(_ChunkDefect):
     """A prefilled sequence of a multiple of 64 tokens keeps its starting state."""
 
     name = "seeded: state dropped at a chunk boundary"
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._backend = BoundaryDropBackend(kernel=self._kernel)
-        self._chunk = _defective_chunk(self._kernel, "boundary-drop")
+    backend_class = BoundaryDropBackend
+    defect = "boundary-drop"
 
 
 def conv_off_by_one(carry: KDACarry) -> KDACarry:

@@ -116,7 +116,7 @@ def test_adapter_docs_state_axes_and_dtypes_the_code_uses() -> None:
     """The state layout the docs give, S[k, v], is the one the reference recurrence uses."""
     import numpy as np
 
-    from tests.conformance.numpy_adapter import recurrent_kda
+    from kda_spec.truth import packed_delta_rule
 
     rng = np.random.default_rng(0)
     q, k, v = (rng.normal(size=(1, 1, 3)).astype(np.float32) for _ in range(3))
@@ -124,7 +124,7 @@ def test_adapter_docs_state_axes_and_dtypes_the_code_uses() -> None:
     g = np.array([[[-0.1, -1.0, -3.0]]], np.float32)
     beta = np.full((1, 1), 0.5, np.float32)
     state = rng.normal(size=(1, 1, 3, 3)).astype(np.float32)
-    _, final = recurrent_kda(q, k, v, g, beta, np.array([0, 1]), state)
+    _, final = packed_delta_rule(q, k, v, g, beta, np.array([0, 1]), state)
     decayed = np.exp(g[0, 0])[:, None] * state[0, 0]  # the decay scales rows: the key axis is first
     expected = decayed + beta[0, 0] * np.outer(k[0, 0], v[0, 0] - k[0, 0] @ decayed)
     np.testing.assert_allclose(final[0, 0], expected, rtol=1e-6, atol=1e-6)

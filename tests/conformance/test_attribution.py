@@ -21,7 +21,8 @@ from conformance.reports.check_record import metrics, summary
 from conformance.reports.render import markdown, terminal_lines
 from conformance.reports.report import Record, build_report
 from kda_spec import dump_format as fmt
-from tests.conformance.numpy_adapter import NumpyAdapter, recurrent_kda
+from kda_spec.truth import packed_delta_rule
+from tests.conformance.numpy_adapter import NumpyAdapter
 from tests.conformance.synthetic import write_dump_set
 
 CASES = ("T8", "T65", "varlen_initstate")
@@ -55,7 +56,7 @@ def test_the_kernel_truth_recurrence_is_float64_where_float32_cannot_be() -> Non
     o, state = recurrence_fp64(q, zeros, zeros, g, np.zeros((tokens, heads), np.float32), cu, initial)
     assert state.dtype == np.float64 and o.dtype == np.float64
     np.testing.assert_allclose(state[0, 0], np.exp(-1e-6), rtol=1e-12)
-    _, state32 = recurrent_kda(q, zeros, zeros, g, np.zeros((tokens, heads), np.float32), cu, initial)
+    _, state32 = packed_delta_rule(q, zeros, zeros, g, np.zeros((tokens, heads), np.float32), cu, initial)
     assert np.all(state32 == 1.0)  # float32 cannot see this decay at all
 
 
@@ -69,7 +70,7 @@ def test_the_kernel_truth_agrees_with_the_float32_recurrence_to_rounding() -> No
     beta = rng.uniform(0, 1, (tokens, heads)).astype(np.float32)
     cu = np.array([0, 15, tokens])
     o64, s64 = recurrence_fp64(q, k, v, g, beta, cu, None)
-    o32, s32 = recurrent_kda(q, k, v, g, beta, cu, None)
+    o32, s32 = packed_delta_rule(q, k, v, g, beta, cu, None)
     np.testing.assert_allclose(o64, o32, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(s64, s32, rtol=1e-4, atol=1e-5)
     assert np.abs(o64 - o32).max() > 0  # not the same float32 computation

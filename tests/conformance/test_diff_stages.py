@@ -19,7 +19,8 @@ from conformance.tools.diff import (
     table_lines,
 )
 from conformance.tools.diff_heatmap import judged_ratio, shown_gate
-from tests.conformance.numpy_adapter import NumpyAdapter, recurrent_kda
+from kda_spec.truth import packed_delta_rule
+from tests.conformance.numpy_adapter import NumpyAdapter
 from tests.conformance.synthetic import write_dump_set
 
 CASE = "T65"
@@ -40,7 +41,9 @@ class HeadsSwappedInTheLayer(NumpyAdapter):
         result = super().forward(x, cu_seqlens, carry)
         q, k, v = (result.intermediates[f"{p}_after_conv"][:, ::-1] for p in "qkv")
         g, beta = result.intermediates["g"][:, ::-1], result.intermediates["beta"][:, ::-1]
-        o, _ = recurrent_kda(*(self._l2(a) for a in (q, k)), v, g, beta, cu_seqlens, carry.recurrent_state)
+        o, _ = packed_delta_rule(
+            *(self._l2(a) for a in (q, k)), v, g, beta, cu_seqlens, carry.recurrent_state
+        )
         result.intermediates["o_kda"] = self.cast(o)
         return result
 

@@ -9,8 +9,9 @@ All of them are the numpy reference (`NumpyAdapter`, exact on the synthetic dump
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -87,45 +88,44 @@ class Hangs(NumpyAdapter):
         raise AssertionError("unreachable")
 
 
-class ExtraAxis(NumpyAdapter):
+class _OutChanged(NumpyAdapter):
+    """The numpy reference with its layer output `out` passed through `changed`."""
+
+    changed: ClassVar[Callable[[np.ndarray], Any]]
+
+    def forward(self, x, cu_seqlens, carry):
+        result = super().forward(x, cu_seqlens, carry)
+        result.out = self.changed(result.out)
+        return result
+
+
+class ExtraAxis(_OutChanged):
     """`out` as [1, T, hidden]: numpy would broadcast it into the suite's [T, hidden] rows."""
 
     name = "attack: out with a leading axis"
-
-    def forward(self, x, cu_seqlens, carry):
-        result = super().forward(x, cu_seqlens, carry)
-        result.out = result.out[None]
-        return result
+    changed = staticmethod(lambda out: out[None])
 
 
-class Float64Out(NumpyAdapter):
+class Float64Out(_OutChanged):
     name = "attack: out in float64"
-
-    def forward(self, x, cu_seqlens, carry):
-        result = super().forward(x, cu_seqlens, carry)
-        result.out = result.out.astype(np.float64)
-        return result
+    changed = staticmethod(lambda out: out.astype(np.float64))
 
 
-class ListOut(NumpyAdapter):
+class ListOut(_OutChanged):
     name = "attack: out as a list"
-
-    def forward(self, x, cu_seqlens, carry):
-        result = super().forward(x, cu_seqlens, carry)
-        result.out = result.out.tolist()
-        return result
+    changed = staticmethod(lambda out: out.tolist())
 
 
-class NaNOut(NumpyAdapter):
+class NaNOut(_OutChanged):
     """A NaN in the output: a result out of tolerance, not a broken contract."""
 
     name = "broken: a NaN in the output"
 
-    def forward(self, x, cu_seqlens, carry):
-        result = super().forward(x, cu_seqlens, carry)
-        result.out = result.out.copy()
-        result.out[-1, 0] = np.nan
-        return result
+    @staticmethod
+    def changed(out: np.ndarray) -> np.ndarray:
+        out = out.copy()
+        out[-1, 0] = np.nan
+        return out
 
 
 class ReusedBuffers(NumpyAdapter):
