@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conformance.judging.attribution import error_vs_truth, excess
+from conformance.judging.attribution import error_vs_truth, relative_criteria
 from conformance.judging.tolerances import TolerancePolicy
+from conformance.judging.verdict import unmet
 from kda_impl.kernels.common import softplus
 from kda_spec.synthetic_weights import synthetic_weights
 from kda_spec.truth import layer_truth, run_weights
@@ -108,7 +109,10 @@ def test_bf16_is_no_further_from_the_float64_truth_than_transformers_bf16(runner
             error_vs_truth(actual, true, tolerance),
             error_vs_truth(wanted, true, tolerance),
         )
-        assert excess(impl_side, reference_side, POLICY.relative["bf16"]) == [], (impl_side, reference_side)
+        assert unmet(relative_criteria(impl_side, reference_side, POLICY.relative["bf16"])) == [], (
+            impl_side,
+            reference_side,
+        )
 
 
 def test_softplus_is_exact_above_the_threshold():
