@@ -32,7 +32,7 @@ CONTRACT_MODE = "relative+contract"
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
     """Element-wise `|a - b| <= atol + rtol * |b|`, and `‖a - b‖₂ / ‖b‖₂ <= max_nrmse` where set (over
-    what the policy's `min_tokens` rule lets it decide: `measurement.statistic_rows`)."""
+    what the policy's `min_tokens` rule lets it decide: `measurement.min_tokens_rule`)."""
 
     atol: float
     rtol: float
@@ -92,7 +92,7 @@ class ContractLimits:
     most `max_nrmse` for a stage the contract stores in bf16, `max_nrmse_fp32_stage` for one it keeps in
     fp32 (g, beta, the recurrent states), and its gain (the error's component along the model,
     `<x - m, m> / <m, m>`) at most `max_gain` in size; both are whole-output statistics, under the
-    policy's `min_tokens` rule (`measurement.statistic_rows`). A result
+    policy's `min_tokens` rule (`measurement.min_tokens_rule`). A result
     `closer_factor` times closer to the float64 truth (nRMSE) than the model itself is exempt: it rounds
     less than the contract, not worse. Each limit is at least `spread_factor` × the model's own spread: how
     far the model moves when every value it rounds within an fp32 ulp of a bf16 tie rounds the other way
