@@ -25,7 +25,7 @@ import numpy as np
 
 from kda_impl.kernels import naive
 from kda_impl.kernels.common import prepare_inputs
-from kda_impl.kernels.naive_recurrent import recurrent_step
+from kda_impl.kernels.recurrent import recurrent_step
 from kda_impl.kernels.slots import route_unsafe_slots_to_dummy
 
 HEADS, DIM = 32, 128

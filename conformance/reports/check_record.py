@@ -57,13 +57,20 @@ def metrics(c: Comparison) -> dict[str, Any]:
     }
 
 
-def truth_record(a: Attribution) -> dict[str, Any]:
+def _sides_record(judged: Attribution | ContractCheck) -> dict[str, Any]:
+    """What the truth record and the contract record share: both sides measured against one source."""
     return {
         "available": True,
-        "source": a.source,
-        "impl": dataclasses.asdict(a.impl),
-        "reference": dataclasses.asdict(a.reference),
-        "limits": a.limits.as_dict(),
+        "source": judged.source,
+        "impl": dataclasses.asdict(judged.impl),
+        "reference": dataclasses.asdict(judged.reference),
+        "limits": judged.limits.as_dict(),
+    }
+
+
+def truth_record(a: Attribution) -> dict[str, Any]:
+    return {
+        **_sides_record(a),
         "apart": a.out_of_tolerance,
         "verdict": a.blame,
         "relative_ratio": worst_ratio(a.criteria),
@@ -73,11 +80,7 @@ def truth_record(a: Attribution) -> dict[str, Any]:
 
 def contract_record(c: ContractCheck) -> dict[str, Any]:
     return {
-        "available": True,
-        "source": c.source,
-        "impl": dataclasses.asdict(c.impl),
-        "reference": dataclasses.asdict(c.reference),
-        "limits": c.limits.as_dict(),
+        **_sides_record(c),
         "fp32_stage": c.fp32_stage,
         **c.gating.criterion_fields(),
         "gated": c.gating.applies,

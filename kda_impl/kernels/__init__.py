@@ -249,13 +249,13 @@ def chunk_kda(
 
 
 def fused_recurrent_kda(q, k, v, g, beta, *, kernel: str | None = None, **kwargs):
-    """Token-recurrent KDA; fla's signature, see `kda_impl.kernels.naive_recurrent.fused_recurrent_kda`."""
+    """Token-recurrent KDA; fla's signature, see `kda_impl.kernels.recurrent.fused_recurrent_kda`."""
     call = KernelCall("fused_recurrent_kda", (q, k, v, g, beta), kwargs)
     return _implementation(call, kernel)(q, k, v, g, beta, **kwargs)
 
 
 def decode_kda_slots(q, k, v, g, beta, *, kernel: str | None = None, **kwargs):
-    """One decode step per request on its pool slot; see `kda_impl.kernels.naive_decode`."""
+    """One decode step per request on its pool slot; see `kda_impl.kernels.decode`."""
     call = KernelCall("decode_kda_slots", (q, k, v, g, beta), kwargs)
     return _implementation(call, kernel)(q, k, v, g, beta, **kwargs)
 

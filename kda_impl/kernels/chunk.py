@@ -1,12 +1,12 @@
 """`chunk_kda` in plain JAX: the chunked (WY) form of the KDA recurrence, exact in fp32.
 
-Not a naive kernel: it computes the token recurrence of `naive_recurrent.py` (the math-first reference
+Not a naive kernel: it computes the token recurrence of `recurrent.py` (the math-first reference
 the tests hold it to) C tokens at a time, with the in-chunk decay scores built by recursive halving and
 `(I + A)^-1` by a recursive block inverse, in batched matmuls (element-wise products for the smallest
 blocks).
 
 Per chunk of C tokens (per head), with G the in-chunk inclusive cumsum of the log decay g and
-Γ = exp(G), in fla's names (`naive_chunk.py` computes them as written; all factors below are <= 1,
+Γ = exp(G), in fla's names (`reference_chunk.py` computes them as written; all factors below are <= 1,
 see "Strong decay"):
 
     Akk[i, j] = beta_i * sum_d k_i[d] k_j[d] exp(G_i[d] - G_j[d])        (j < i)

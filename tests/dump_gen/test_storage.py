@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import fsspec
@@ -112,7 +113,8 @@ def test_interrupted_run_leaves_the_old_set(
 
 
 SLOW_SECOND_CASE = """
-import itertools, sys, time
+import faulthandler, itertools, signal, sys, time
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it is, should it not stop on SIGINT
 import dump_gen.generate as generate
 real, calls = generate.case_arrays, itertools.count()
 def slow(*args, **kwargs):
@@ -141,7 +143,14 @@ def test_sigint_leaves_the_old_set(old_set: Path) -> None:
         assert process.stdout.readline().strip() == "second case"
         assert any(path.name.startswith(".set.staging-") for path in old_set.parent.iterdir())
         process.send_signal(signal.SIGINT)
-        _, err = process.communicate(timeout=120)
+        try:
+            _, err = process.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            process.kill()
+            threads = process.communicate()[1]
+            pytest.fail(f"dump_gen did not stop within 120 s of SIGINT; its threads:\n{threads}")
     finally:
         process.kill()
     assert process.returncode == 130, err

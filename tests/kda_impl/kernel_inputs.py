@@ -103,16 +103,16 @@ def fla_reference(
 def naive_chunk_reference(
     inputs: dict[str, np.ndarray], initial_state: np.ndarray | None = None, **kwargs
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The chunk form's reference: `naive_chunk_kda` in float64 on `inputs` (q, k normalised in-kernel),
+    """The chunk form's reference: `reference_chunk_kda` in float64 on `inputs` (q, k normalised in-kernel),
     (o, final state) as float64 numpy; `kwargs` as the kernels take them (`cu_seqlens`, `chunk_size`)."""
     import jax
 
-    from kda_impl.kernels.naive_chunk import naive_chunk_kda
+    from kda_impl.kernels.reference_chunk import reference_chunk_kda
 
     with jax.enable_x64(True):
         wide = {name: x.astype(np.float64) for name, x in inputs.items()}
         h0 = None if initial_state is None else initial_state.astype(np.float64)
-        return run_kernel(naive_chunk_kda, wide, initial_state=h0, **kwargs)
+        return run_kernel(reference_chunk_kda, wide, initial_state=h0, **kwargs)
 
 
 def run_kernel(kernel, inputs: dict[str, np.ndarray], **kwargs) -> tuple[np.ndarray, np.ndarray]:

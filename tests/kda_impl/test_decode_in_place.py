@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.bench_decode import materialised_arrays
 from kda_impl.kernels import naive
-from kda_impl.kernels.naive_decode import heads_per_step
+from kda_impl.kernels.decode import heads_per_step
 from tests.kda_impl.kernel_inputs import random_kernel_inputs
 
 BATCH, SLOTS, LAYERS, HEADS, DIM = 4, 9, 3, 2, 32

@@ -1,5 +1,5 @@
 """The plain-JAX kernels against fla-core's torch references, the token recurrence and the chunk form's
-reference (`naive_chunk_kda` in float64), on seeded inputs (`$KDA_TEST_SEED`, see
+reference (`reference_chunk_kda` in float64), on seeded inputs (`$KDA_TEST_SEED`, see
 kernel_inputs.seeded_rng)."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def fla():
 KERNELS = {
     "chunk": naive.chunk_kda,
     "recurrent": naive.fused_recurrent_kda,
-    "naive_chunk": naive.naive_chunk_kda,
+    "reference_chunk": naive.reference_chunk_kda,
 }
 
 
@@ -118,8 +118,8 @@ def test_padded_tail_leaves_state_untouched(rng):
 
 @pytest.mark.parametrize("decay", ["realistic", "strong", "mixed"])
 def test_chunk_matches_the_chunk_form(rng, decay):
-    """The optimised chunk kernel == its readable reference, `naive_chunk_kda` in float64, on a packed batch
-    with initial states: partial chunks, a whole chunk, an empty sequence, several chunks."""
+    """The optimised chunk kernel == its readable reference, `reference_chunk_kda` in float64, on a packed
+    batch with initial states: partial chunks, a whole chunk, an empty sequence, several chunks."""
     lengths = [3, 0, 64, 65, 130]
     cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     inputs = random_kernel_inputs(rng, int(cu_seqlens[-1]), decay=decay)
@@ -135,7 +135,7 @@ def test_chunk_matches_the_chunk_form(rng, decay):
 @pytest.mark.parametrize("chunk_size", [16, 64])
 @pytest.mark.parametrize("decay", ["realistic", "strong", "mixed"])
 def test_naive_chunk_matches_the_float64_recurrence(rng, decay, chunk_size):
-    """`naive_chunk_kda` in float64 == the token recurrence in float64 (`kda_spec.truth`) to float64
+    """`reference_chunk_kda` in float64 == the token recurrence in float64 (`kda_spec.truth`) to float64
     rounding, g down to -60 per token included: empty, one-token, partial and whole-chunk sequences."""
     lengths = [0, 1, 15, 16, 63, 64, 65, 130]
     cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
@@ -153,15 +153,15 @@ def test_naive_chunk_matches_the_float64_recurrence(rng, decay, chunk_size):
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "init-state"])
 def test_naive_chunk_matches_the_token_recurrence(rng, with_state):
     """In float32, with the kernels' arguments: B = 2 rows of T = 70 tokens (no cu_seqlens, a partial last
-    chunk), a given scale, with and without initial states: `naive_chunk_kda` == `fused_recurrent_kda`."""
+    chunk), a given scale, with and without initial states: `reference_chunk_kda` == `fused_recurrent_kda`."""
     inputs = random_kernel_inputs(rng, 70, batch=2)
     h0 = rng.standard_normal((2, 2, 32, 32)).astype(np.float32) if with_state else None
-    o, state = run_kernel(naive.naive_chunk_kda, inputs, initial_state=h0, scale=0.3)
+    o, state = run_kernel(naive.reference_chunk_kda, inputs, initial_state=h0, scale=0.3)
     ref_o, ref_state = run_kernel(naive.fused_recurrent_kda, inputs, initial_state=h0, scale=0.3)
     assert o.dtype == state.dtype == np.float32
     np.testing.assert_allclose(o, ref_o, **FP32)
     np.testing.assert_allclose(state, ref_state, **FP32)
-    o, no_state = naive.naive_chunk_kda(**inputs)
+    o, no_state = naive.reference_chunk_kda(**inputs)
     assert no_state is None and o.shape == inputs["v"].shape
 
 

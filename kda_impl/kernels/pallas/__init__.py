@@ -2,7 +2,7 @@
 
 Same names and signatures as the plain-JAX kernels of `kda_impl.kernels.naive`, plus `interpret`
 (default: interpret unless the backend is TPU) and, for `chunk_kda`, fla's in-kernel gate
-(`use_gate_in_kernel`, `A_log`, `dt_bias`). Their references: `naive.naive_chunk_kda` (the chunk form),
+(`use_gate_in_kernel`, `A_log`, `dt_bias`). Their references: `naive.reference_chunk_kda` (the chunk form),
 `naive.fused_recurrent_kda` (the token recurrence), `naive.decode_kda_slots`.
 """
 

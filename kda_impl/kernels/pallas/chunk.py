@@ -1,7 +1,7 @@
 """`chunk_kda` as a Pallas kernel: the chunked (WY) form of `kda_impl.kernels.chunk`, fused.
 
-Reference: `kda_impl.kernels.naive_chunk.naive_chunk_kda` (the same equations in fla's names, computed as
-written, in float64 in the tests); `kda_impl.kernels.chunk` derives the form.
+Reference: `kda_impl.kernels.reference_chunk.reference_chunk_kda` (the same equations in fla's names,
+computed as written, in float64 in the tests); `kda_impl.kernels.chunk` derives the form.
 
 Grid `(H, NC)`: heads in parallel, the chunks of the packed batch in order. Each step takes one chunk
 of one head (`[C, K]` q, k, g, `[C, V]` v, `[C, 1]` beta), computes its state-independent part (decay

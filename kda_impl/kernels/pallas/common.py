@@ -55,7 +55,7 @@ def column_step(
     columns: jax.Array,  # [..., K, 4] q (scaled), k, g, beta per `pack_columns`
     v: jax.Array,  # [..., 1, V]
 ) -> tuple[jax.Array, jax.Array]:
-    """One token of the recurrence (naive_recurrent.recurrent_step), exact fp32 element-wise sums.
+    """One token of the recurrence (recurrent.recurrent_step), exact fp32 element-wise sums.
 
     Returns (new state [..., K, V], o [..., 1, V]).
     """

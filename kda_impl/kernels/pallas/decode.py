@@ -1,6 +1,6 @@
 """Decode as a Pallas kernel: one token for each of B requests, each on its own pool slot, in place.
 
-Reference: `kda_impl.kernels.naive_decode.decode_kda_slots` (gather, step, scatter).
+Reference: `kda_impl.kernels.decode.decode_kda_slots` (gather, step, scatter).
 
 Grid `(B, H / hb)`, hb heads per step (`tuning.decode_heads_per_step`). The slot indices and the
 layer index are scalar prefetched, so the index map of the state block reads `[layer, slot_indices[b]]`:
@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kda_impl.kernels.common import prepare_inputs
-from kda_impl.kernels.naive_decode import as_layered_pool, validate_decode_inputs
+from kda_impl.kernels.decode import as_layered_pool, validate_decode_inputs
 from kda_impl.kernels.pallas.common import COLUMNS, column_step, pack_columns, resolve_interpret
 from kda_impl.kernels.pallas.tuning import decode_heads_per_step
 from kda_impl.kernels.slots import route_unsafe_slots_to_dummy
@@ -47,7 +47,7 @@ def decode_kda_slots(
     """One recurrence step per request on its own slot's state, updated in place.
 
     Returns `(o [B, H, V] in q's dtype, state_buffer with the given slots updated)`. Slot indices are
-    checked (outside `jit`) or routed to the dummy slot (inside it) as in `naive_decode.decode_kda_slots`.
+    checked (outside `jit`) or routed to the dummy slot (inside it) as in `decode.decode_kda_slots`.
     """
     pool = as_layered_pool(state_buffer, layer_index)
     layer = 0 if layer_index is None else layer_index

@@ -1,6 +1,6 @@
 """`fused_recurrent_kda` as a Pallas kernel: the KDA recurrence token by token, state in VMEM.
 
-Reference: `kda_impl.kernels.naive_recurrent.fused_recurrent_kda`, whose step `column_step` follows line
+Reference: `kda_impl.kernels.recurrent.fused_recurrent_kda`, whose step `column_step` follows line
 for line.
 
 B requests × T tokens and packed batches (`cu_seqlens`) run the same way: every sequence is cut into its

@@ -1,8 +1,8 @@
-"""`naive_chunk_kda`: the chunked form of the KDA recurrence in plain JAX, written to be read.
+"""`reference_chunk_kda`: the chunked form of the KDA recurrence in plain JAX, written to be read.
 
 The chunk form's reference, as fla's `naive_chunk_kda` (`fla/ops/kda/naive.py`) is beside its fast
 kernels: the tests hold `chunk.py` and `pallas/chunk.py` to it, and it to the token recurrence
-(`naive_recurrent.py`). One sequence and one chunk at a time, every matrix as the equations write it,
+(`recurrent.py`). One sequence and one chunk at a time, every matrix as the equations write it,
 in fla's names. Per chunk of C tokens and per head, with S the state entering the chunk, G the in-chunk
 inclusive cumsum of g and Γ = exp(G):
 
@@ -31,7 +31,7 @@ from kda_impl.kernels.common import HIGHEST, L2NORM_EPS, finite_log_decay
 from kda_impl.kernels.validation import static_validate_inputs
 
 
-def naive_chunk_kda(
+def reference_chunk_kda(
     q: jax.Array,  # [B, T, H, K]
     k: jax.Array,  # [B, T, H, K]
     v: jax.Array,  # [B, T, H, V]

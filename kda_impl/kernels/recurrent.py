@@ -8,7 +8,7 @@ inputs upcast to fp32 once, and the loop body (`recurrent_step`) is the recurren
     S = S + beta_t * outer(k_t, v_t - k_t @ S)
     o_t = (scale * q_t) @ S
 
-The chunk form's readable reference (`naive_chunk.py`) and the Pallas recurrent kernel are tested against
+The chunk form's readable reference (`reference_chunk.py`) and the Pallas recurrent kernel are tested against
 it (tests/kda_impl/test_kernels.py, test_pallas_kernels.py). g = -inf is a full reset (exp(g) = 0).
 `entry.fla_entry` (`entry.py`) gives it fla's calling convention.
 """
