@@ -100,7 +100,7 @@ def fla_reference(
     return o[:, :tokens].numpy(), state.numpy()
 
 
-def naive_chunk_reference(
+def reference_chunk_fp64(
     inputs: dict[str, np.ndarray], initial_state: np.ndarray | None = None, **kwargs
 ) -> tuple[np.ndarray, np.ndarray]:
     """The chunk form's reference: `reference_chunk_kda` in float64 on `inputs` (q, k normalised in-kernel),

@@ -19,8 +19,8 @@ from tests.kda_impl.kernel_inputs import (
     SEED_ENV,
     fla_reference,
     l2normalise,
-    naive_chunk_reference,
     random_kernel_inputs,
+    reference_chunk_fp64,
     run_kernel,
     seed_from_env,
     seeded_rng,
@@ -74,7 +74,7 @@ def test_chunk_exact_under_strong_decay(rng, decay, tokens):
     h0 = rng.standard_normal((1, 2, 32, 32)).astype(np.float32)
     o, state = run_kernel(naive.chunk_kda, inputs, initial_state=h0)
     assert np.all(np.isfinite(o)) and np.all(np.isfinite(state))
-    ref_o, ref_state = naive_chunk_reference(inputs, h0)
+    ref_o, ref_state = reference_chunk_fp64(inputs, h0)
     np.testing.assert_allclose(o, ref_o, **FP32)
     np.testing.assert_allclose(state, ref_state, **FP32)
 
@@ -83,7 +83,7 @@ def test_head_dim_128_long_sequence(rng):
     """The real head size over a long sequence: chunk == the chunk form in float64, state included."""
     inputs = random_kernel_inputs(rng, 1000, heads=2, dim=128)
     o, state = run_kernel(naive.chunk_kda, inputs)
-    ref_o, ref_state = naive_chunk_reference(inputs)
+    ref_o, ref_state = reference_chunk_fp64(inputs)
     np.testing.assert_allclose(o, ref_o, **FP32)
     np.testing.assert_allclose(state, ref_state, **FP32)
 
@@ -126,7 +126,7 @@ def test_chunk_matches_the_chunk_form(rng, decay):
     h0 = rng.standard_normal((len(lengths), 2, 32, 32)).astype(np.float32)
     packed = {"initial_state": h0, "cu_seqlens": cu_seqlens}
     o, state = run_kernel(naive.chunk_kda, inputs, **packed)
-    ref_o, ref_state = naive_chunk_reference(inputs, **packed)
+    ref_o, ref_state = reference_chunk_fp64(inputs, **packed)
     assert np.all(np.isfinite(o)) and np.all(np.isfinite(state))
     np.testing.assert_allclose(o, ref_o, **FP32)
     np.testing.assert_allclose(state, ref_state, **FP32)
@@ -141,7 +141,7 @@ def test_naive_chunk_matches_the_float64_recurrence(rng, decay, chunk_size):
     cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     inputs = random_kernel_inputs(rng, int(cu_seqlens[-1]), decay=decay)
     h0 = rng.standard_normal((len(lengths), 2, 32, 32))
-    o, state = naive_chunk_reference(inputs, h0, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+    o, state = reference_chunk_fp64(inputs, h0, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
     wide = {name: x[0].astype(np.float64) for name, x in inputs.items()}
     q, k = l2normalise(wide["q"]), l2normalise(wide["k"])
     ref_o, ref_state = packed_delta_rule(q, k, wide["v"], wide["g"], wide["beta"], cu_seqlens, h0)

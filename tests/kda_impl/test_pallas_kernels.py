@@ -20,8 +20,8 @@ from kda_impl.kernels import naive, pallas
 from kda_impl.kernels.pallas import tuning
 from tests.kda_impl.kernel_inputs import (
     fla_reference,
-    naive_chunk_reference,
     random_kernel_inputs,
+    reference_chunk_fp64,
     run_kernel,
     seeded_rng,
     with_full_resets,
@@ -32,7 +32,7 @@ HEADS, DIM = 2, 128
 PALLAS = {"chunk": pallas.chunk_kda, "recurrent": pallas.fused_recurrent_kda}
 # The reference each kernel is held to: the chunk form in float64, the token recurrence.
 REFERENCES = {
-    "chunk": naive_chunk_reference,
+    "chunk": reference_chunk_fp64,
     "recurrent": functools.partial(run_kernel, naive.fused_recurrent_kda),
 }
 # One packed batch for most tests (one compilation per kernel): short sequences, one token, a whole chunk,
