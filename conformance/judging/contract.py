@@ -109,7 +109,7 @@ class ContractCheck:
 
     @property
     def max_nrmse(self) -> float:
-        return self.limits.max_nrmse_of(self.fp32_stage)
+        return self.limits.max_nrmse_fp32_stage if self.fp32_stage else self.limits.max_nrmse
 
 
 def contract_check(

@@ -1,4 +1,7 @@
-"""The tolerance policy: which limits each check is held to, read from `tolerances.toml`."""
+"""The tolerance policy: which limits each check is held to, read from `tolerances.toml`.
+
+`TolerancePolicy.load` refuses a policy it cannot use with one ValueError naming the file, the table and
+the key at fault; each table's fields are those of the dataclass it makes."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import dataclasses
 import fnmatch
 import math
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,16 +21,27 @@ if TYPE_CHECKING:
     from conformance.judging.reduction import ReductionFloors
 
 DEFAULT_POLICY_FILE = Path(__file__).with_name("tolerances.toml")
-_LIMIT_FIELDS = ("atol", "rtol", "max_nrmse")
-RELATIVE_FIELDS = ("factor", "margin_floor", "nrmse_floor")
-# The rounding budget of the widest fp32 reduction behind a stage (docs/tolerance-policy.md): optional, 0
-# (none) when left out, as in bf16, whose floors are set by its own roundings.
-REDUCTION_FIELDS = ("nrmse_lambda", "margin_lambda")
-CONTRACT_FIELDS = ("max_nrmse", "max_nrmse_fp32_stage", "max_gain", "closer_factor", "spread_factor")
-# Which gate decides a check: the absolute limits, the relative one (against the float64 truth), both,
-# or the relative one and the bf16 precision contract (against the float64 model of its roundings).
-GATE_MODES = tuple(MODE_GATES)
+# The gate mode in which the bf16 precision contract decides beside the relative gate (every mode:
+# `verdict.MODE_GATES`).
 CONTRACT_MODE = "relative+contract"
+_LIMIT_FIELDS = ("atol", "rtol", "max_nrmse")
+_REQUIRED = object()  # `_setting`'s default of a key the policy must set
+
+
+def finite_number(value: Any, name: str, minimum: float = 0.0, strict: bool = False) -> float:
+    """`value` as a float where it is a finite number >= `minimum` (> with `strict`), else a ValueError
+    naming `name`."""
+    finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not (finite and (value > minimum if strict else value >= minimum)):
+        raise ValueError(
+            f"{name} must be a finite number {'>' if strict else '>='} {minimum:g}, got {value!r}"
+        )
+    return float(value)
+
+
+def check_growth_factor(value: Any, name: str) -> float:
+    """`value` if it is a finite number > 1 (an allowed growth over a baseline), else a ValueError."""
+    return finite_number(value, name, 1.0, strict=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +56,8 @@ class Tolerance:
 
     def __post_init__(self) -> None:
         for name in _LIMIT_FIELDS:
-            value = getattr(self, name)
-            if value is not None and not (_is_finite_number(value) and value >= 0):
-                raise ValueError(f"tolerance {name} must be a finite number >= 0, got {value!r}")
+            if getattr(self, name) is not None:
+                finite_number(getattr(self, name), f"tolerance {name}")
         if self.max_nrmse == 0:
             raise ValueError("tolerance max_nrmse must be > 0 (leave it out to gate no nRMSE)")
         if self.atol == 0 and self.rtol == 0:
@@ -70,9 +84,8 @@ class RelativeLimits:
     reduction: ReductionFloors | None = None
 
     def __post_init__(self) -> None:
-        for name in RELATIVE_FIELDS + REDUCTION_FIELDS:
-            if not (_is_finite_number(getattr(self, name)) and getattr(self, name) >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)!r}")
+        for name in ("factor", "margin_floor", "nrmse_floor", "nrmse_lambda", "margin_lambda"):
+            finite_number(getattr(self, name), name)
         if self.factor < 1:
             raise ValueError(f"factor must be >= 1 (no worse than the reference), got {self.factor!r}")
         if self.margin_floor == 0 or self.nrmse_floor == 0:
@@ -106,15 +119,10 @@ class ContractLimits:
     spread_factor: float
 
     def __post_init__(self) -> None:
-        for name in CONTRACT_FIELDS:
-            value = getattr(self, name)
-            if not (_is_finite_number(value) and value > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        for field in dataclasses.fields(self):
+            finite_number(getattr(self, field.name), field.name, strict=True)
         if self.closer_factor < 1:
             raise ValueError(f"closer_factor must be >= 1, got {self.closer_factor!r}")
-
-    def max_nrmse_of(self, fp32_stage: bool) -> float:
-        return self.max_nrmse_fp32_stage if fp32_stage else self.max_nrmse
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -124,7 +132,7 @@ class ContractLimits:
 class ModeRule:
     check: str  # a check name or fnmatch pattern
     dtype: str
-    mode: str  # one of GATE_MODES
+    mode: str  # one of verdict.MODE_GATES
     reason: str
 
 
@@ -162,24 +170,18 @@ class TolerancePolicy:
         try:
             modes = tuple(_mode_rule(entry, i) for i, entry in enumerate(data.get("mode", [])))
             return cls(
-                gate={dtype: _tolerance(data, "gate", dtype) for dtype in DTYPES},
-                rfc={dtype: _tolerance(data, "rfc", dtype) for dtype in DTYPES},
+                gate={dtype: _limits(Tolerance, data, f"gate.{dtype}") for dtype in DTYPES},
+                rfc={dtype: _limits(Tolerance, data, f"rfc.{dtype}") for dtype in DTYPES},
                 overrides=tuple(_override(entry, i) for i, entry in enumerate(data.get("override", []))),
-                relative={dtype: _relative(data, dtype) for dtype in DTYPES},
+                relative={dtype: _limits(RelativeLimits, data, f"relative.{dtype}") for dtype in DTYPES},
                 contract=_contract(data, any(rule.mode == CONTRACT_MODE for rule in modes)),
                 modes=modes,
-                min_tokens=_min_tokens(data),
-                close_margin=_non_negative(
-                    _setting(data, "report", "close_margin", 0.5), "[report] close_margin"
-                ),
-                growth_factor=check_growth_factor(
-                    _setting(data, "baseline", "growth_factor", 2.0), "[baseline] growth_factor"
-                ),
-                growth_min_ratio=_non_negative(
-                    _setting(data, "baseline", "min_ratio", 0.1), "[baseline] min_ratio"
-                ),
+                min_tokens=_setting(data, "statistics", "min_tokens", _REQUIRED, _whole_number),
+                close_margin=_setting(data, "report", "close_margin", 0.5, finite_number),
+                growth_factor=_setting(data, "baseline", "growth_factor", 2.0, check_growth_factor),
+                growth_min_ratio=_setting(data, "baseline", "min_ratio", 0.1, finite_number),
                 source=str(path),
-                require_platform=_required_platform(data),
+                require_platform=_setting(data, "platform", "require", None, check_required_platform),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"{path}: {err}") from None
@@ -216,86 +218,44 @@ class TolerancePolicy:
         }
 
 
-def _is_finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def check_growth_factor(value: float, name: str) -> float:
-    """`value` if it is a finite number > 1 (an allowed growth over a baseline), else a ValueError."""
-    if not (_is_finite_number(value) and value > 1):
-        raise ValueError(f"{name} must be a finite number > 1, got {value!r}")
-    return float(value)
-
-
-def _setting(data: dict[str, Any], table: str, key: str, default: float) -> Any:
-    """The value of `[table] key`, or `default` when absent."""
+def _setting(
+    data: dict[str, Any], table: str, key: str, default: Any, check: Callable[[Any, str], Any]
+) -> Any:
+    """`[table] key` through `check(value, name)`; `default` (unchecked) when absent, or a KeyError where
+    it is `_REQUIRED`."""
     block = data.get(table, {})
     if not isinstance(block, dict):
         raise ValueError(f"[{table}] must be a table, got {block!r}")
-    return block.get(key, default)
+    if key not in block and default is _REQUIRED:
+        raise KeyError(f"missing [{table}] {key}")
+    return check(block[key], f"[{table}] {key}") if key in block else default
 
 
-def _required_platform(data: dict[str, Any]) -> str | None:
-    """`[platform] require`: a platform the gate requires of a report, or None when unset."""
-    value = _setting(data, "platform", "require", None)
-    return None if value is None else check_required_platform(value, "[platform] require")
-
-
-def _min_tokens(data: dict[str, Any]) -> int:
-    """`[statistics] min_tokens`: a whole number >= 1."""
-    value = _setting(data, "statistics", "min_tokens", None)
-    if value is None:
-        raise KeyError("missing [statistics] min_tokens")
+def _whole_number(value: Any, name: str) -> int:
+    """`value` where it is a whole number >= 1, else a ValueError naming `name`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"[statistics] min_tokens must be a whole number >= 1, got {value!r}")
+        raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
     return value
 
 
-def _non_negative(value: Any, name: str) -> float:
-    if not (_is_finite_number(value) and value >= 0):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return float(value)
-
-
-def _tolerance(data: dict[str, Any], table: str, dtype: str) -> Tolerance:
-    block = data.get(table, {})
-    entry = block.get(dtype) if isinstance(block, dict) else None
+def _limits(limits_class: type, data: dict[str, Any], path: str) -> Any:
+    """`limits_class` made from the table at the dotted `path` ("relative.fp32"), whose keys are the
+    class's numeric fields: those without a default required, the others optional; errors name `path`."""
+    entry: Any = data
+    for key in path.split("."):
+        entry = entry.get(key) if isinstance(entry, dict) else None
     if not isinstance(entry, dict):
-        raise KeyError(f"missing table [{table}.{dtype}]")
-    unknown = sorted(set(entry) - set(_LIMIT_FIELDS))
-    if unknown:
-        raise ValueError(f"[{table}.{dtype}]: unknown field(s) {unknown}; allowed {list(_LIMIT_FIELDS)}")
+        raise KeyError(f"missing table [{path}]")
+    fields = [field for field in dataclasses.fields(limits_class) if "float" in str(field.type)]
+    required = [field.name for field in fields if field.default is dataclasses.MISSING]
+    optional = {field.name for field in fields} - set(required)
+    missing, unknown = sorted(set(required) - set(entry)), sorted(set(entry) - set(required) - optional)
+    if missing or unknown:
+        raise ValueError(f"[{path}]: needs {required}; missing {missing}, unknown {unknown}")
     try:
-        return Tolerance(**entry)
+        return limits_class(**entry)
     except ValueError as err:
-        raise ValueError(f"[{table}.{dtype}]: {err}") from None
-
-
-def _override(entry: dict[str, Any], index: int) -> Override:
-    label = f"override[{index}]"
-    if not str(entry.get("reason", "")).strip():
-        raise ValueError(f"{label} ({entry.get('check')!r}): an override needs a written 'reason'")
-    if entry.get("dtype") not in DTYPES:
-        raise ValueError(f"{label}: 'dtype' must be one of {DTYPES}, got {entry.get('dtype')!r}")
-    if not entry.get("check"):
-        raise ValueError(f"{label}: 'check' (a check name or pattern) is required")
-    limits = {key: entry[key] for key in _LIMIT_FIELDS if key in entry}
-    unknown = sorted(set(entry) - {"check", "dtype", "reason", *_LIMIT_FIELDS})
-    if unknown or not limits:
-        raise ValueError(f"{label}: needs at least one of {list(_LIMIT_FIELDS)}; unknown field(s) {unknown}")
-    try:
-        Tolerance(**{"atol": 1.0, "rtol": 1.0, **limits})  # validates the values
-    except ValueError as err:
-        raise ValueError(f"{label} ({entry['check']!r}): {err}") from None
-    return Override(check=entry["check"], dtype=entry["dtype"], limits=limits, reason=entry["reason"])
-
-
-def _relative(data: dict[str, Any], dtype: str) -> RelativeLimits:
-    block = data.get("relative", {})
-    entry = block.get(dtype) if isinstance(block, dict) else None
-    if not isinstance(entry, dict):
-        raise KeyError(f"missing table [relative.{dtype}]")
-    return _limits_table(entry, f"[relative.{dtype}]", RELATIVE_FIELDS, RelativeLimits, REDUCTION_FIELDS)
+        raise ValueError(f"[{path}]: {err}") from None
 
 
 def _contract(data: dict[str, Any], used: bool) -> ContractLimits | None:
@@ -305,54 +265,55 @@ def _contract(data: dict[str, Any], used: bool) -> ContractLimits | None:
     extra = sorted(set(block) - {"bf16"}) if isinstance(block, dict) else []
     if extra:
         raise ValueError(f"[contract]: only [contract.bf16] (fp32 has no rounding point); found {extra}")
-    entry = block.get("bf16") if isinstance(block, dict) else None
-    if entry is None and not used:
+    if not used and (not isinstance(block, dict) or "bf16" not in block):
         return None
-    if not isinstance(entry, dict):
-        raise KeyError(f"missing table [contract.bf16] (a [[mode]] rule uses {CONTRACT_MODE!r})")
-    return _limits_table(entry, "[contract.bf16]", CONTRACT_FIELDS, ContractLimits)
-
-
-def _limits_table(
-    entry: dict[str, Any],
-    label: str,
-    fields: tuple[str, ...],
-    limits_class: type,
-    optional: tuple[str, ...] = (),
-) -> Any:
-    """`limits_class(**entry)` for a table that must have exactly `fields` (and may have `optional`); a
-    ValueError names `label`."""
-    missing, unknown = sorted(set(fields) - set(entry)), sorted(set(entry) - set(fields) - set(optional))
-    if missing or unknown:
-        raise ValueError(f"{label}: needs {list(fields)}; missing {missing}, unknown {unknown}")
     try:
-        return limits_class(**entry)
+        return _limits(ContractLimits, data, "contract.bf16")
+    except KeyError:
+        raise KeyError(f"missing table [contract.bf16] (a [[mode]] rule uses {CONTRACT_MODE!r})") from None
+
+
+def _rule(entry: Any, kind: str, index: int, fields: tuple[str, ...]) -> str:
+    """Check the fields a `[[kind]]` rule shares (`check`, `dtype`, `reason`) and that it has no other
+    than `fields`; its label for the errors of the rest, `kind[index] ('check')`."""
+    label = f"{kind}[{index}]"
+    if not isinstance(entry, dict):
+        raise ValueError(f"{label}: expected a table, got {entry!r}")
+    allowed = ["check", "dtype", *fields, "reason"]
+    unknown = sorted(set(entry) - set(allowed))
+    if unknown:
+        raise ValueError(f"{label}: unknown field(s) {unknown}; allowed {allowed}")
+    if not isinstance(entry.get("check"), str) or not entry["check"]:
+        raise ValueError(f"{label}: 'check' (a check name or pattern) is required")
+    label = f"{label} ({entry['check']!r})"
+    if not str(entry.get("reason", "")).strip():
+        rule = "an override" if kind == "override" else "a mode rule"
+        raise ValueError(f"{label}: {rule} needs a written 'reason'")
+    if entry.get("dtype") not in DTYPES:
+        raise ValueError(f"{label}: 'dtype' must be one of {DTYPES}, got {entry.get('dtype')!r}")
+    return label
+
+
+def _override(entry: Any, index: int) -> Override:
+    label = _rule(entry, "override", index, _LIMIT_FIELDS)
+    limits = {key: entry[key] for key in _LIMIT_FIELDS if key in entry}
+    if not limits:
+        raise ValueError(f"{label}: needs at least one of {list(_LIMIT_FIELDS)}")
+    try:
+        Tolerance(**{"atol": 1.0, "rtol": 1.0, **limits})  # validates the values
     except ValueError as err:
         raise ValueError(f"{label}: {err}") from None
+    return Override(check=entry["check"], dtype=entry["dtype"], limits=limits, reason=entry["reason"])
 
 
 def _mode_rule(entry: Any, index: int) -> ModeRule:
-    label = f"mode[{index}]"
-    if not isinstance(entry, dict):
-        raise ValueError(f"{label}: expected a table, got {entry!r}")
-    unknown = sorted(set(entry) - {"check", "dtype", "mode", "reason"})
-    if unknown:
-        raise ValueError(f"{label}: unknown field(s) {unknown}; allowed ['check', 'dtype', 'mode', 'reason']")
-    if not isinstance(entry.get("check"), str) or not entry["check"]:
-        raise ValueError(f"{label}: 'check' (a check name or pattern) is required")
-    if entry.get("dtype") not in DTYPES:
-        raise ValueError(
-            f"{label} ({entry['check']!r}): 'dtype' must be one of {DTYPES}, got {entry.get('dtype')!r}"
-        )
-    if entry.get("mode") not in GATE_MODES:
-        raise ValueError(
-            f"{label} ({entry['check']!r}): 'mode' must be one of {GATE_MODES}, got {entry.get('mode')!r}"
-        )
+    label = _rule(entry, "mode", index, ("mode",))
+    modes = tuple(MODE_GATES)
+    if entry.get("mode") not in modes:
+        raise ValueError(f"{label}: 'mode' must be one of {modes}, got {entry.get('mode')!r}")
     if entry["mode"] == CONTRACT_MODE and entry["dtype"] != "bf16":
         raise ValueError(
-            f"{label} ({entry['check']!r}): mode {CONTRACT_MODE!r} is for dtype 'bf16' only (the precision "
-            f"contract's rounding points are bf16 roundings), got {entry['dtype']!r}"
+            f"{label}: mode {CONTRACT_MODE!r} is for dtype 'bf16' only (the precision contract's rounding "
+            f"points are bf16 roundings), got {entry['dtype']!r}"
         )
-    if not str(entry.get("reason", "")).strip():
-        raise ValueError(f"{label} ({entry['check']!r}): a mode rule needs a written 'reason'")
     return ModeRule(check=entry["check"], dtype=entry["dtype"], mode=entry["mode"], reason=entry["reason"])
