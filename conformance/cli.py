@@ -8,12 +8,13 @@ implementation under test raised, timed out or broke the adapter contract.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from conformance.adapter import (
     KERNEL_CHOICES,
@@ -49,6 +50,15 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 class UsageError(Exception):
     """Bad arguments or unusable input: one line for the user, exit 2."""
+
+
+@contextlib.contextmanager
+def _usage_errors() -> Iterator[None]:
+    """The block's ValueError (the user's input at fault, the message names it) as a `UsageError`."""
+    try:
+        yield
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def _add_dumps_option(parser: argparse.ArgumentParser) -> None:
@@ -151,10 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _policy(path: str) -> TolerancePolicy:
-    try:
+    with _usage_errors():
         return TolerancePolicy.load(path)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -168,7 +176,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _impl_options(args: argparse.Namespace) -> dict[str, str]:
     """The adapter's options as given: `--impl-option`s, and `--tp`/`--dp` as `tp`/`dp`."""
-    try:
+    with _usage_errors():
         options = parse_option_pairs(args.impl_options)
         for key in ("tp", "dp"):
             shorthand = getattr(args, key)
@@ -176,8 +184,6 @@ def _impl_options(args: argparse.Namespace) -> dict[str, str]:
                 if key in options:
                     raise ValueError(f"--{key} {shorthand} and --impl-option {key}={options[key]}: give one")
                 options[key] = shorthand
-    except ValueError as err:
-        raise UsageError(str(err)) from None
     return options
 
 
@@ -185,26 +191,20 @@ def _adapter(args: argparse.Namespace) -> tuple[type[KDAAdapter], dict[str, str]
     """The adapter class of `--impl` and its options, checked by the adapter itself (`parse_options`).
     An adapter module that raises on import is an `AdapterImportError` (`main` makes it exit 3)."""
     options = _impl_options(args)
-    try:
+    with _usage_errors():
         adapter_class = load_adapter_class(args.impl)
         adapter_class.parse_options(options)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
     return adapter_class, options
 
 
 def _suite_options(args: argparse.Namespace, options: dict[str, str]) -> SuiteOptions:
-    try:
+    with _usage_errors():
         return suite_options(functools.partial(getattr, args), Path(args.report_dir), options)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
 
 
 def _call_timeout(args: argparse.Namespace) -> float:
-    try:
+    with _usage_errors():
         return checked_call_timeout(args.call_timeout)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
 
 
 def _implementation_fault(message: str, trace: str) -> int:
@@ -221,9 +221,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from conformance.suite.start import start_session
 
     try:
-        session = start_session(_suite_options(args, _impl_options(args)))
-    except ValueError as err:
-        raise UsageError(str(err)) from None
+        with _usage_errors():
+            session = start_session(_suite_options(args, _impl_options(args)))
     except ImplementationFault as fault:
         return _implementation_fault(fault.message, fault.traceback_text)
     pytest_args = [
@@ -260,12 +259,10 @@ def cmd_gate(args: argparse.Namespace) -> int:
     )
 
     policy = _policy(args.tolerances)
-    try:
+    with _usage_errors():
         factor = policy.growth_factor
         if args.growth_factor is not None:
             factor = check_growth_factor(args.growth_factor, "--growth-factor")
-    except ValueError as err:
-        raise UsageError(str(err)) from None
     try:
         report = load_report(args.report)
         baseline = load_report(args.baseline) if args.baseline else None
@@ -302,10 +299,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
     dumps.case_ids([args.case])  # names an unknown case
     if args.png:
         require("matplotlib", "diff --png")
-        try:
+        with _usage_errors():
             check_writable_file(Path(args.png), "--png")  # before the run, not after it
-        except ValueError as err:
-            raise UsageError(str(err)) from None
     adapter_class, options = _adapter(args)
     enable_compile_cache()
     watchdog = CallWatchdog(_call_timeout(args), EXIT_IMPLEMENTATION)
@@ -339,13 +334,11 @@ def cmd_power(args: argparse.Namespace) -> int:
 
     dumps, policy = open_verified(dumps_or_bundled(args.dumps)), _policy(args.tolerances)
     enable_compile_cache()
-    try:
+    with _usage_errors():
         result, missed = power_report.run(
             dumps, policy, dtype=args.dtype, cases=args.cases, defect_patterns=args.defects,
             kernel=args.kernel, report_dir=Path(args.report_dir), command=" ".join(sys.argv),
         )  # fmt: skip
-    except ValueError as err:
-        raise UsageError(str(err)) from None
     print("\n".join(power_report.terminal_lines(result)))
     print(f"power: reports in {args.report_dir}; goals " + ("met" if not missed else "MISSED:"))
     for reason in missed:
@@ -355,31 +348,33 @@ def cmd_power(args: argparse.Namespace) -> int:
 
 def cmd_search(args: argparse.Namespace) -> int:
     from conformance.search.command import SearchOptions, run_search
+    from conformance.search.serving_search import run_serving_search
     from conformance.suite.options import parse_dtypes
 
     adapter_class, options = _adapter(args)
-    if args.space == "serving":
-        return _serving_search(args, adapter_class, options)
-    try:
+    serving = args.space == "serving"
+    dumps = dumps_or_bundled(args.dumps) if serving else args.dumps
+    with _usage_errors():
         dtypes = tuple(parse_dtypes(args.dtypes))
-        _check_positive(args, ("budget", "shrink_budget", "max_tokens", "max_seqs"))
-        if args.dumps is None:
+        _check_positive(args, ("budget", "shrink_budget", "max_tokens", *(() if serving else ("max_seqs",))))
+        if dumps is None:
             from kda_spec.config import get_preset
 
             get_preset(args.preset)
         else:
-            open_verified(args.dumps)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
+            open_verified(dumps)
     enable_compile_cache()
     search = SearchOptions(
         impl=args.impl, adapter_class=adapter_class, options=options, kernel=args.kernel,
-        policy=_policy(args.tolerances), dumps=args.dumps, preset=args.preset, dtypes=dtypes,
+        policy=_policy(args.tolerances), dumps=dumps, preset=args.preset, dtypes=dtypes,
         budget_s=args.budget, seed=args.seed, out=Path(args.out), max_tokens=args.max_tokens,
         max_seqs=args.max_seqs, shrink_budget_s=args.shrink_budget, progress=not args.no_progress,
         watchdog=CallWatchdog(_call_timeout(args), EXIT_IMPLEMENTATION),
     )  # fmt: skip
-    return _searched(run_search, search)
+    try:
+        return run_serving_search(search) if serving else run_search(search)
+    except ImplementationFault as fault:  # the adapter's constructor failed
+        return _implementation_fault(fault.message, fault.traceback_text)
 
 
 def _check_positive(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
@@ -387,38 +382,6 @@ def _check_positive(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
     for flag in flags:
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-
-
-_Search = TypeVar("_Search")
-
-
-def _searched(run: Callable[[_Search], int], search: _Search) -> int:
-    """`run(search)`'s exit status; the implementation-fault exit where the adapter's constructor failed."""
-    try:
-        return run(search)
-    except ImplementationFault as fault:
-        return _implementation_fault(fault.message, fault.traceback_text)
-
-
-def _serving_search(args: argparse.Namespace, adapter_class: type, options: dict[str, str]) -> int:
-    from conformance.search.serving_search import ServingSearchOptions, run_serving_search
-    from conformance.suite.options import parse_dtypes
-
-    dumps = dumps_or_bundled(args.dumps)
-    try:
-        dtypes = tuple(parse_dtypes(args.dtypes))
-        _check_positive(args, ("budget", "shrink_budget", "max_tokens"))
-        open_verified(dumps)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-    enable_compile_cache()
-    search = ServingSearchOptions(
-        impl=args.impl, adapter_class=adapter_class, options=options, kernel=args.kernel,
-        policy=_policy(args.tolerances), dumps=dumps, dtypes=dtypes, budget_s=args.budget, seed=args.seed,
-        out=Path(args.out), max_tokens=args.max_tokens, shrink_budget_s=args.shrink_budget,
-        watchdog=CallWatchdog(_call_timeout(args), EXIT_IMPLEMENTATION),
-    )  # fmt: skip
-    return _searched(run_serving_search, search)
 
 
 COMMANDS = {

@@ -8,7 +8,9 @@ its top (`missing_extra`).
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+from collections.abc import Iterable
 
 DISTRIBUTION = "kda-conformance"
 # module (top-level name) → the extra of pyproject.toml that installs it
@@ -52,3 +54,14 @@ def missing_extra(err: ImportError, needed_by: str) -> MissingExtra | None:
     if isinstance(err, ModuleNotFoundError) and top in EXTRA_OF_MODULE:
         return MissingExtra(needed_by, top)
     return None
+
+
+def installed_versions(distributions: Iterable[str]) -> dict[str, str]:
+    """The version of each of `distributions` that is installed, by name (the others left out)."""
+    versions = {}
+    for distribution in distributions:
+        try:
+            versions[distribution] = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions

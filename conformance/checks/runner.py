@@ -24,7 +24,6 @@ from conformance.checks.truth import (
     computed_contract_model,
     computed_layer_truth,
     computed_matmul_model,
-    layer_kernel_truth,
     not_computed,
     recurrence_fp64,
     stored_truth,
@@ -45,6 +44,7 @@ from conformance.judging.positions import (
 from conformance.judging.reduction import reduction_limits
 from conformance.judging.tolerances import CONTRACT_MODE, RelativeLimits, TolerancePolicy
 from kda_spec import dump_format as fmt
+from kda_spec.truth import l2_normalised
 
 _OUT_AXES = ("token", "channel")
 _HEAD_AXES = ("token", "head", "channel")
@@ -311,8 +311,9 @@ class CheckRunner:
     def layer_kernel_truth(self, case: CaseData, dtype: str) -> tuple[np.ndarray, str]:
         """The truth of the kernel output inside the layer (`o_kda`) and its source: the float64
         recurrence on the truths (`layer_truth`) of the layer's q, k, v, g, beta."""
-        inputs = (self.layer_truth(case, name, dtype)[0] for name in KERNEL_INPUTS)
-        o = layer_kernel_truth(*inputs, case.cu_seqlens, case.initial_state)
+        q, k, v, g, beta = (self.layer_truth(case, name, dtype)[0] for name in KERNEL_INPUTS)
+        inputs = (l2_normalised(q), l2_normalised(k), v, g, beta)
+        o, _ = recurrence_fp64(inputs, case.cu_seqlens, case.initial_state)
         return o, "float64 recurrence on the truth's q, k, v, g, beta"
 
     def kernel_truth(self, case: CaseData, dtype: str) -> tuple[np.ndarray, np.ndarray]:
@@ -321,7 +322,8 @@ class CheckRunner:
 
         def compute() -> tuple[np.ndarray, np.ndarray]:
             q, k, v, g, beta = (self._expected(case, name, dtype) for name in KERNEL_INPUTS)
-            return recurrence_fp64(l2norm(q), l2norm(k), v, g, beta, case.cu_seqlens, case.initial_state)
+            inputs = (l2norm(q), l2norm(k), v, g, beta)
+            return recurrence_fp64(inputs, case.cu_seqlens, case.initial_state)
 
         return self._derived.get(("kernel-truth", dtype), compute)
 

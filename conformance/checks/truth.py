@@ -15,7 +15,7 @@ kernel under test gets.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -24,7 +24,6 @@ from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig
 from kda_spec.truth import (
     bf16_contract_rounding,
-    l2_normalised,
     layer_output_truth,
     layer_truth,
     mantissa_rounded,
@@ -149,35 +148,13 @@ def not_computed(case: CaseData, name: str, what: str) -> NoTruth:
 
 
 def recurrence_fp64(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    g: np.ndarray,
-    beta: np.ndarray,
-    cu_seqlens: np.ndarray,
-    initial_state: np.ndarray | None,
+    inputs: Sequence[np.ndarray],  # q, k (l2-normalised), v, g [T, H, D]; beta [T, H]
+    cu_seqlens: np.ndarray,  # i32[N + 1]
+    initial_state: np.ndarray | None,  # [N, H, D, D], or None: zeros
 ) -> tuple[np.ndarray, np.ndarray]:
     """The KDA recurrence in float64 on a packed batch (`kda_spec.truth.packed_delta_rule`, the dumps'
-    own oracle), the inputs widened exactly to float64 first.
-
-    q, k (already l2-normalised), v, g: [T, H, D]; beta: [T, H]; initial_state: [N, H, D, D] or None.
-    Returns o [T, H, D] and the final states [N, H, D, D], float64.
-    """
-    q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
+    own oracle), the `inputs` (`KERNEL_INPUTS`' order) widened exactly to float64 first. Returns o
+    [T, H, D] and the final states [N, H, D, D], float64."""
+    q, k, v, g, beta = (np.asarray(x, np.float64) for x in inputs)
     state = None if initial_state is None else np.asarray(initial_state, np.float64)
     return packed_delta_rule(q, k, v, g, beta, cu_seqlens, state)
-
-
-def layer_kernel_truth(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    g: np.ndarray,
-    beta: np.ndarray,
-    cu_seqlens: np.ndarray,
-    initial_state: np.ndarray | None,
-) -> np.ndarray:
-    """The truth of the kernel output inside the layer (`o_kda`): the float64 recurrence on the truths of
-    the layer's q, k (l2-normalised in float64), v, g [T, H, D] and beta [T, H]."""
-    o, _ = recurrence_fp64(l2_normalised(q), l2_normalised(k), v, g, beta, cu_seqlens, initial_state)
-    return o

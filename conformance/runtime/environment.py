@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import platform
 from collections.abc import Mapping
 from typing import Any
 
 from conformance.runtime.run_platform import platform_block
+from kda_spec.extras import installed_versions
 
 _VERSIONED_PACKAGES = ("kda-conformance", "jax", "jaxlib", "flax", "numpy", "ml_dtypes")
 
@@ -17,12 +17,6 @@ def environment(kernel_used: Mapping[str, str]) -> dict[str, Any]:
     (`platform`: conformance/runtime/run_platform.py)."""
     import jax
 
-    versions = {}
-    for package in _VERSIONED_PACKAGES:
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            continue
     devices = jax.devices()
     return {
         "backend": jax.default_backend(),
@@ -31,5 +25,5 @@ def environment(kernel_used: Mapping[str, str]) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform_block(kernel_used),
         "host": platform.platform(),
-        "versions": versions,
+        "versions": installed_versions(_VERSIONED_PACKAGES),
     }

@@ -35,7 +35,9 @@ EXIT_CLEAN, EXIT_FOUND = 0, 1
 
 @dataclasses.dataclass(frozen=True)
 class SearchOptions:
-    """What `python -m conformance search` was asked (docs/cli.md)."""
+    """What `python -m conformance search` was asked (docs/cli.md), in either space: `dumps` the dump
+    set whose weights it runs on (None: `preset`'s synthetic weights; the serving space always has one).
+    `max_seqs` and `progress` are the case space's alone."""
 
     impl: str
     adapter_class: type[KDAAdapter]
@@ -43,11 +45,11 @@ class SearchOptions:
     kernel: str
     policy: TolerancePolicy
     dumps: str | None
-    preset: str
     dtypes: tuple[str, ...]
     budget_s: float
     seed: int
     out: Path
+    preset: str = "mini"
     max_tokens: int = MAX_TOKENS
     max_seqs: int = MAX_SEQS
     shrink_budget_s: float = SHRINK_BUDGET_S

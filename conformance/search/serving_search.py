@@ -12,49 +12,28 @@ serving path (the search cannot answer).
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import shlex
 import time
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, find, settings
 from hypothesis.errors import NoSuchExample
 
-from conformance.adapter import KDAAdapter
-from conformance.adapters.guard import CallWatchdog, ImplementationFault
+from conformance.adapters.guard import ImplementationFault
 from conformance.checks.catalogue import CheckSkipped
 from conformance.checks.runner import CheckRunner
 from conformance.checks.serving_checks import ServingChecks
 from conformance.checks.serving_scenarios import Scenario, write_scenarios
 from conformance.dumps.reader import DumpSet
-from conformance.judging.tolerances import TolerancePolicy
 from conformance.reports.check_record import summary
 from conformance.reports.json_file import write_json
+from conformance.search.command import SearchOptions
 from conformance.search.serving_space import schedule_strategy
 
 EXIT_CLEAN, EXIT_FOUND, EXIT_CANNOT_ANSWER = 0, 1, 2
 SCENARIO_FILE = "scenarios.json"
 REPORT_FILE = "serving-search.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class ServingSearchOptions:
-    impl: str
-    adapter_class: type[KDAAdapter]
-    options: Mapping[str, str]
-    kernel: str
-    policy: TolerancePolicy
-    dumps: str
-    dtypes: tuple[str, ...]
-    budget_s: float
-    seed: int
-    out: Path
-    max_tokens: int
-    shrink_budget_s: float
-    watchdog: CallWatchdog | None = None
 
 
 class CannotAnswer(Exception):
@@ -64,7 +43,7 @@ class CannotAnswer(Exception):
 class ScheduleJudge:
     """Whether a schedule fails a serving check, and the first failure of each schedule that does."""
 
-    def __init__(self, options: ServingSearchOptions, deadline: float):
+    def __init__(self, options: SearchOptions, deadline: float):
         dumps = DumpSet(options.dumps)
         self.runner = CheckRunner(
             dumps, options.adapter_class, options.kernel, options.policy, options.options, options.watchdog
@@ -97,7 +76,7 @@ class ScheduleJudge:
         return False
 
 
-def run_serving_search(options: ServingSearchOptions) -> int:
+def run_serving_search(options: SearchOptions) -> int:
     """Search, shrink, write; the exit status (module docstring)."""
     started = time.monotonic()
     options.out.mkdir(parents=True, exist_ok=True)
@@ -119,7 +98,7 @@ def run_serving_search(options: ServingSearchOptions) -> int:
     return EXIT_FOUND
 
 
-def _search(judge: ScheduleJudge, options: ServingSearchOptions, started: float) -> Scenario | None:
+def _search(judge: ScheduleJudge, options: SearchOptions, started: float) -> Scenario | None:
     """hypothesis' `find`: draws until `judge.fails`, then shrinks within the shrink budget."""
     found_at: list[float] = []
 
@@ -156,7 +135,7 @@ def _size(scenario: Scenario) -> str:
     )
 
 
-def replay_command(options: ServingSearchOptions) -> str:
+def replay_command(options: SearchOptions) -> str:
     words = ["python", "-m", "conformance", "run", "--dumps", options.dumps, "--impl", options.impl]
     words += ["--kernel", options.kernel, "--dtypes", ",".join(options.dtypes)]
     for key, value in options.options.items():
@@ -166,7 +145,7 @@ def replay_command(options: ServingSearchOptions) -> str:
 
 
 def _write_report(
-    options: ServingSearchOptions,
+    options: SearchOptions,
     judge: ScheduleJudge,
     found: Scenario | None,
     started: float,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 from typing import Any, Protocol
 
 import numpy as np
@@ -11,6 +10,7 @@ import torch
 
 from dump_gen.capture import KERNEL_INPUTS, KernelCall, NormCall
 from dump_gen.inputs import CaseInputs
+from kda_spec.extras import installed_versions
 from kda_spec.weight_names import FP32_WEIGHTS
 
 _VERSIONED = ("torch", "transformers", "fla-core", "flash-linear-attention", "triton", "numpy")
@@ -43,12 +43,7 @@ class Reference(Protocol):
 
 def package_versions() -> dict[str, str]:
     """Versions of the packages a reference runs on (those installed), and CUDA's where there is one."""
-    versions = {}
-    for dist in _VERSIONED:
-        try:
-            versions[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
+    versions = installed_versions(_VERSIONED)
     if torch.version.cuda:
         versions["cuda"] = torch.version.cuda
     return versions

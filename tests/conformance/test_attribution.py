@@ -53,7 +53,7 @@ def test_the_kernel_truth_recurrence_is_float64_where_float32_cannot_be() -> Non
     q[-1, 0, 0] = 1.0
     initial = np.ones((1, heads, dim, dim), np.float32)
     cu = np.array([0, tokens])
-    o, state = recurrence_fp64(q, zeros, zeros, g, np.zeros((tokens, heads), np.float32), cu, initial)
+    o, state = recurrence_fp64((q, zeros, zeros, g, np.zeros((tokens, heads), np.float32)), cu, initial)
     assert state.dtype == np.float64 and o.dtype == np.float64
     np.testing.assert_allclose(state[0, 0], np.exp(-1e-6), rtol=1e-12)
     _, state32 = packed_delta_rule(q, zeros, zeros, g, np.zeros((tokens, heads), np.float32), cu, initial)
@@ -69,7 +69,7 @@ def test_the_kernel_truth_agrees_with_the_float32_recurrence_to_rounding() -> No
     g = -rng.uniform(0, 0.5, (tokens, heads, dim)).astype(np.float32)
     beta = rng.uniform(0, 1, (tokens, heads)).astype(np.float32)
     cu = np.array([0, 15, tokens])
-    o64, s64 = recurrence_fp64(q, k, v, g, beta, cu, None)
+    o64, s64 = recurrence_fp64((q, k, v, g, beta), cu, None)
     o32, s32 = packed_delta_rule(q, k, v, g, beta, cu, None)
     np.testing.assert_allclose(o64, o32, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(s64, s32, rtol=1e-4, atol=1e-5)

@@ -24,7 +24,8 @@ from conformance.checks.serving_scenarios import (
 )
 from conformance.dumps.reader import DumpSet
 from conformance.judging.tolerances import TolerancePolicy
-from conformance.search.serving_search import ServingSearchOptions, run_serving_search
+from conformance.search.command import SearchOptions
+from conformance.search.serving_search import run_serving_search
 from kda_impl.server_args import MIXED_CHUNK_EVIDENCE
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
@@ -115,7 +116,7 @@ def test_a_bad_scenario_is_one_line_naming_the_value(tmp_path, event, message):
 def _search(
     tmp_path: Path, adapter_class: type[KDAAdapter], budget_s: float, shrink_budget_s: float = 5.0
 ) -> tuple[int, dict]:
-    options = ServingSearchOptions(
+    options = SearchOptions(
         impl=adapter_class.__name__, adapter_class=adapter_class, options={}, kernel="auto",
         policy=TolerancePolicy.load(), dumps=str(GOLDEN), dtypes=("fp32",), budget_s=budget_s, seed=0,
         out=tmp_path, max_tokens=16, shrink_budget_s=shrink_budget_s,
