@@ -45,7 +45,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kda_impl.kernels.common import HIGHEST, chunk_layout, finite_log_decay, sequence_offsets
+from kda_impl.kernels.common import HIGHEST, PackedInputs, chunk_layout, finite_log_decay
 from kda_impl.kernels.entry import FlaResult, fla_entry
 
 # Tokens per chunk: the in-chunk work grows as C^2 per chunk while the state products cost the same per
@@ -53,66 +53,14 @@ from kda_impl.kernels.entry import FlaResult, fla_entry
 CHUNK_SIZE = 32
 
 
-def _packed_chunk_kda(
-    q: jax.Array,  # [T, H, K] packed, fp32
-    k: jax.Array,  # [T, H, K]
-    v: jax.Array,  # [T, H, V]
-    g: jax.Array,  # [T, H, K]
-    beta: jax.Array,  # [T, H]
-    init: jax.Array,  # [N, H, K, V] fp32
-    cu_seqlens: jax.Array | None,  # i32[N + 1], or None: N rows of equal length
-    *,
-    scale: float,
-    chunk_size: int,
-) -> tuple[jax.Array, jax.Array]:
-    """The kernel of `chunk_kda` on the packed batch (`entry.fla_entry`)."""
+def _packed_chunk_kda(packed: PackedInputs, *, scale: float, chunk_size: int) -> tuple[jax.Array, jax.Array]:
+    """The kernel of `chunk_kda` on the packed batch (`entry.fla_entry`): one `lax.scan` step per chunk,
+    its rows sliced from the packed inputs and the whole chunk computed there (`chunk_step`), so every
+    temporary is one chunk's `[H, C, ...]`, cache-sized."""
     if chunk_size <= 0 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
-    cu_seqlens = sequence_offsets(cu_seqlens, init.shape[0], q.shape[0])
-    return _chunk_packed(q, k, v, finite_log_decay(g), beta, init, cu_seqlens, scale, chunk_size)
-
-
-_CHUNK_KDA = fla_entry(_packed_chunk_kda, static=("chunk_size",))
-
-
-def chunk_kda(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
-    *,
-    scale: float | None = None,
-    initial_state: jax.Array | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: jax.Array | None = None,
-    use_qk_l2norm_in_kernel: bool = False,
-    chunk_size: int = CHUNK_SIZE,
-) -> FlaResult:
-    """KDA over whole sequences, chunk by chunk (prefill).
-
-    fla's calling convention: the arguments and the result of `kda_impl.kernels.entry`, then the
-    kernel's own options.
-
-    Args:
-        chunk_size: tokens per chunk, a power of two (default `CHUNK_SIZE`).
-    """
-    return _CHUNK_KDA(**locals())  # every argument as written above
-
-
-def _chunk_packed(
-    q: jax.Array,  # [T, H, K]
-    k: jax.Array,  # [T, H, K]
-    v: jax.Array,  # [T, H, V]
-    g: jax.Array,  # [T, H, K]
-    beta: jax.Array,  # [T, H]
-    init: jax.Array,  # [N, H, K, V]
-    cu_seqlens: jax.Array,  # i32[N + 1]
-    scale: float,
-    chunk_size: int,
-) -> tuple[jax.Array, jax.Array]:
-    """One `lax.scan` step per chunk: its rows are sliced from the packed inputs and the whole chunk is
-    computed there (`chunk_step`), so every temporary is one chunk's `[H, C, ...]`, cache-sized."""
+    q, k, v, g, beta = packed.inputs._replace(g=finite_log_decay(packed.inputs.g))
+    init, cu_seqlens = packed.init, packed.offsets()
     tokens = q.shape[0]
     if tokens < chunk_size:  # a chunk's window of C rows must fit in the array
         fill = chunk_size - tokens
@@ -149,6 +97,34 @@ def _chunk_packed(
     rows = jnp.moveaxis(o_chunks, 1, 2).reshape(-1, *o_chunks.shape[1:2], o_chunks.shape[-1])  # [NC*C, H, V]
     row_in_window = jnp.arange(tokens, dtype=jnp.int32) - window_start[layout.slot]
     return rows[layout.slot * chunk_size + row_in_window], finals
+
+
+_CHUNK_KDA = fla_entry(_packed_chunk_kda, static=("chunk_size",))
+
+
+def chunk_kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: jax.Array | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    chunk_size: int = CHUNK_SIZE,
+) -> FlaResult:
+    """KDA over whole sequences, chunk by chunk (prefill).
+
+    fla's calling convention: the arguments and the result of `kda_impl.kernels.entry`, then the
+    kernel's own options.
+
+    Args:
+        chunk_size: tokens per chunk, a power of two (default `CHUNK_SIZE`).
+    """
+    return _CHUNK_KDA(**locals())  # every argument as written above
 
 
 def _chunk_rows(x: jax.Array, start_row: jax.Array, valid: jax.Array) -> jax.Array:

@@ -1,9 +1,12 @@
 """Pieces shared by every KDA kernel and the layer: the one softplus, gate and l2norm of kda_impl, the fp32
-upcast, the log-decay floor and the packed-batch bookkeeping (sequence offsets, the chunk layout)."""
+upcast, the log-decay floor, the kernels' inputs (`KdaInputs`, `PackedInputs`) and the packed-batch
+bookkeeping (sequence offsets, the chunk layout)."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +84,38 @@ def sequence_offsets(cu_seqlens: jax.Array | None, num_seqs: int, tokens: int) -
     if cu_seqlens is None:
         return jnp.arange(num_seqs + 1, dtype=jnp.int32) * (tokens // num_seqs)
     return jnp.asarray(cu_seqlens, jnp.int32)
+
+
+class KdaInputs(NamedTuple):
+    """The per-token arrays of one KDA call; `...` are its token axes: `[B, T]` as a caller gives them,
+    `[T]` packed (`PackedInputs`), `[B]` at decode (one token per request)."""
+
+    q: jax.Array  # [..., H, K] queries
+    k: jax.Array  # [..., H, K] keys
+    v: jax.Array  # [..., H, V] values
+    g: jax.Array  # [..., H, K] per-channel log decay (<= 0), or the raw gate with the in-kernel gate
+    beta: jax.Array  # [..., H] write strengths
+
+    def map(self, fn: Callable[[jax.Array], jax.Array]) -> KdaInputs:
+        """`fn` applied to each of the five arrays."""
+        return KdaInputs(*(fn(x) for x in self))
+
+    def scaled(self, scale: float) -> KdaInputs:
+        """The same inputs with q multiplied by `scale`."""
+        return self._replace(q=self.q * scale)
+
+
+class PackedInputs(NamedTuple):
+    """What a prefill kernel runs on: the packed batch `entry.fla_entry` prepares (fp32, q unscaled and
+    l2-normalised if asked), its initial states and its sequence offsets."""
+
+    inputs: KdaInputs  # [T, H, ...]: the B rows of the call flattened into one packed batch
+    init: jax.Array  # [N, H, K, V] fp32
+    cu_seqlens: jax.Array | None  # i32[N + 1], or None: N rows of equal length
+
+    def offsets(self) -> jax.Array:
+        """i32[N + 1]: `cu_seqlens`, or the offsets of the N rows of equal length (`sequence_offsets`)."""
+        return sequence_offsets(self.cu_seqlens, self.init.shape[0], self.inputs.q.shape[0])
 
 
 def initial_or_zeros(initial_state: jax.Array | None, shape: tuple[int, ...]) -> jax.Array:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kda_impl.kernels.common import prepare_inputs
+from kda_impl.kernels.common import KdaInputs, prepare_inputs
 from kda_impl.kernels.slots import (
     as_int_array,
     check_integer_indices,
@@ -52,14 +52,30 @@ def decode_kda_slots(
     Concrete `slot_indices` outside 0..S-1 or repeating a real slot are refused; traced ones (under
     `jit`) are routed instead: such a row reads and writes the dummy slot, never a real one.
     """
+    call = prepare_decode(
+        KdaInputs(q, k, v, g, beta), state_buffer, slot_indices, layer_index, scale, use_qk_l2norm_in_kernel
+    )
+    o, pool = step_slots_in_place(*call)
+    return o.astype(q.dtype), (pool[0] if layer_index is None else pool)
+
+
+def prepare_decode(
+    inputs: KdaInputs,  # [B, H, ...] as the caller gives them
+    state_buffer: jax.Array,  # [S, H, K, V], or [L, S, H, K, V] with layer_index
+    slot_indices: jax.Array,  # int[B]
+    layer_index: int | jax.Array | None,
+    scale: float | None,
+    use_qk_l2norm_in_kernel: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array, KdaInputs]:
+    """A decode call (plain JAX or Pallas) checked and made ready for its step, as the arguments of
+    `step_slots_in_place`: `(pool [L, S, H, K, V], layer i32[], slots i32[B] routed to the dummy slot
+    where unsafe, inputs fp32 with q scaled and, if asked, q and k l2-normalised)`."""
     pool = as_layered_pool(state_buffer, layer_index)
     layer = 0 if layer_index is None else layer_index
-    validate_decode_inputs(q, k, v, g, beta, pool, slot_indices, layer)
+    validate_decode_inputs(inputs, pool, slot_indices, layer)
     slots = route_unsafe_slots_to_dummy(slot_indices, pool.shape[1])
-    out_dtype = q.dtype
-    q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    o, pool = step_slots_in_place(pool, jnp.asarray(layer, jnp.int32), slots, q * scale, k, v, g, beta)
-    return o.astype(out_dtype), (pool[0] if layer_index is None else pool)
+    *prepared, scale = prepare_inputs(*inputs, scale, use_qk_l2norm_in_kernel)
+    return pool, jnp.asarray(layer, jnp.int32), slots, KdaInputs(*prepared).scaled(scale)
 
 
 STATE_BLOCK_BYTES = 256 * 1024  # the states one loop step reads and writes back: they stay in L2 meanwhile
@@ -76,11 +92,7 @@ def step_slots_in_place(
     pool: jax.Array,  # [L, S, H, K, V]
     layer: jax.Array,  # i32[] the layer of the pool to step
     slots: jax.Array,  # i32[B] routed: each in 0..S-1, real ones distinct
-    q: jax.Array,  # [B, H, K] fp32, already scaled
-    k: jax.Array,  # [B, H, K] fp32
-    v: jax.Array,  # [B, H, V] fp32
-    g: jax.Array,  # [B, H, K] fp32 log decay
-    beta: jax.Array,  # [B, H] fp32
+    inputs: KdaInputs,  # [B, H, ...] fp32, q already scaled
 ) -> tuple[jax.Array, jax.Array]:
     """One recurrence step of each row on `pool[layer, slots[row]]`; returns (o [B, H, V] fp32, pool).
 
@@ -93,6 +105,7 @@ def step_slots_in_place(
     rewritten once as `S d + k delta^T` while still in cache. The loop visits (row, head block) in order,
     so padding rows sharing the dummy slot step it one after another.
     """
+    q, k, v, g, beta = inputs
     batch, heads, key_dim = q.shape
     hb = heads_per_step(heads, key_dim, v.shape[-1])
     blocks = heads // hb
@@ -131,18 +144,15 @@ def as_layered_pool(state_buffer: jax.Array, layer_index: int | jax.Array | None
 
 
 def validate_decode_inputs(
-    q: jax.Array,  # [B, H, K]
-    k: jax.Array,  # [B, H, K]
-    v: jax.Array,  # [B, H, V]
-    g: jax.Array,  # [B, H, K]
-    beta: jax.Array,  # [B, H]
+    inputs: KdaInputs,  # [B, H, ...]
     pool: jax.Array,  # [L, S, H, K, V]
     slot_indices: jax.Array,  # int[B]
     layer_index: int | jax.Array,
 ) -> None:
     """Shape and dtype checks of a decode call, naming the offending argument (works while tracing);
     outside `jit`, the slot contract of this module's docstring too."""
-    validate_float_inputs(q=q, k=k, v=v, g=g, beta=beta, pool=pool)
+    validate_float_inputs(**inputs._asdict(), pool=pool)
+    q, k, v, g, beta = inputs
     if q.ndim != 3:
         raise ValueError(f"decode q must be [B, H, K] (one token per request), got shape {q.shape}")
     batch, heads, key_dim = q.shape

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from kda_impl.kernels.common import initial_or_zeros, prepare_inputs
+from kda_impl.kernels.common import KdaInputs, PackedInputs, initial_or_zeros, prepare_inputs
 from kda_impl.kernels.validation import static_validate_inputs
 
 FlaResult = tuple[jax.Array, jax.Array | None]
@@ -41,21 +41,19 @@ def fla_entry(kernel: Callable, *, static: tuple[str, ...] = ()) -> Callable[...
     v, g, beta, the keyword arguments of the module docstring and the kernel's options, and returns
     `(o, final_state)`.
 
-    `kernel(q, k, v, g, beta, init, cu_seqlens, *, scale, **options) -> (o, final)`: q, k, g `[B * T, H,
-    K]`, v `[B * T, H, V]`, beta `[B * T, H]`, all fp32, q unscaled and l2-normalised if asked; init
-    `[N, H, K, V]` fp32; cu_seqlens `i32[N + 1]`, or None for a batch of B = N rows of equal length;
-    `scale` the resolved float. It returns o `[B * T, H, V]` and the final states `[N, H, K, V]`, and
-    runs traced, inside the jit: `static` names its options that are compile-time values (the others
-    are arrays, or None).
+    `kernel(packed, *, scale, **options) -> (o, final)`: `packed` the call's `common.PackedInputs`:
+    inputs `[B * T, H, ...]` fp32, q unscaled and l2-normalised if asked; init `[N, H, K, V]` fp32;
+    cu_seqlens `i32[N + 1]`, or None for a batch of B = N rows of equal length. `scale` is the resolved
+    float. It returns o `[B * T, H, V]` and the final states `[N, H, K, V]`, and runs traced, inside the
+    jit: `static` names its options that are compile-time values (the others are arrays, or None).
     """
 
-    def run(q, k, v, g, beta, init, cu_seqlens, arrays, *, scale, use_qk_l2norm_in_kernel, options):
-        batch, tokens = q.shape[:2]
-        out_dtype = q.dtype
-        q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-        packed = [x.reshape(batch * tokens, *x.shape[2:]) for x in (q, k, v, g, beta)]
-        o, final = kernel(*packed, init, cu_seqlens, scale=scale, **arrays, **dict(options))
-        return o.reshape(batch, tokens, *o.shape[1:]).astype(out_dtype), final
+    def run(inputs, init, cu_seqlens, arrays, *, scale, use_qk_l2norm_in_kernel, options):
+        batch, tokens = inputs.q.shape[:2]
+        *prepared, scale = prepare_inputs(*inputs, scale, use_qk_l2norm_in_kernel)
+        packed = KdaInputs(*prepared).map(lambda x: x.reshape(batch * tokens, *x.shape[2:]))
+        o, final = kernel(PackedInputs(packed, init, cu_seqlens), scale=scale, **arrays, **dict(options))
+        return o.reshape(batch, tokens, *o.shape[1:]).astype(inputs.q.dtype), final
 
     jitted = jax.jit(run, static_argnames=("scale", "use_qk_l2norm_in_kernel", "options"))
 
@@ -73,7 +71,8 @@ def fla_entry(kernel: Callable, *, static: tuple[str, ...] = ()) -> Callable[...
         use_qk_l2norm_in_kernel: bool,
         **options: object,
     ) -> FlaResult:
-        shapes = static_validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+        inputs = KdaInputs(q, k, v, g, beta)
+        shapes = static_validate_inputs(inputs, initial_state, cu_seqlens)
         # The zeros are made here, not under jit: calls with and without initial states share a program.
         init = initial_or_zeros(initial_state, shapes.state_shape)
         if cu_seqlens is not None:
@@ -81,11 +80,7 @@ def fla_entry(kernel: Callable, *, static: tuple[str, ...] = ()) -> Callable[...
         arrays = {name: value for name, value in options.items() if name not in static}
         compile_time = tuple(sorted((name, value) for name, value in options.items() if name in static))
         o, final = jitted(
-            q,
-            k,
-            v,
-            g,
-            beta,
+            inputs,
             init,
             cu_seqlens,
             arrays,

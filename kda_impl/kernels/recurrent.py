@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kda_impl.kernels.common import HIGHEST, sequence_ids
+from kda_impl.kernels.common import HIGHEST, KdaInputs, PackedInputs, sequence_ids
 from kda_impl.kernels.entry import FlaResult, fla_entry
 
 
@@ -39,23 +39,14 @@ def recurrent_step(
     return state, o
 
 
-def _packed_fused_recurrent_kda(
-    q: jax.Array,  # [T, H, K] packed, fp32
-    k: jax.Array,  # [T, H, K]
-    v: jax.Array,  # [T, H, V]
-    g: jax.Array,  # [T, H, K]
-    beta: jax.Array,  # [T, H]
-    init: jax.Array,  # [N, H, K, V] fp32
-    cu_seqlens: jax.Array | None,  # i32[N + 1], or None: N rows of equal length
-    *,
-    scale: float,
-) -> tuple[jax.Array, jax.Array]:
+def _packed_fused_recurrent_kda(packed: PackedInputs, *, scale: float) -> tuple[jax.Array, jax.Array]:
     """The kernel of `fused_recurrent_kda` on the packed batch (`entry.fla_entry`)."""
-    if cu_seqlens is None:  # N rows of equal length, one sequence each: stepped together
-        rows = [x.reshape(init.shape[0], -1, *x.shape[1:]) for x in (q * scale, k, v, g, beta)]
-        o, final = _scan_equal_lengths(*rows, init)
+    inputs = packed.inputs.scaled(scale)
+    if packed.cu_seqlens is None:  # N rows of equal length, one sequence each: stepped together
+        rows = inputs.map(lambda x: x.reshape(packed.init.shape[0], -1, *x.shape[1:]))
+        o, final = _scan_equal_lengths(rows, packed.init)
         return o.reshape(-1, *o.shape[2:]), final
-    return _scan_packed(q * scale, k, v, g, beta, init, cu_seqlens)
+    return _scan_packed(inputs, packed.init, packed.cu_seqlens)
 
 
 _FUSED_RECURRENT_KDA = fla_entry(_packed_fused_recurrent_kda)
@@ -82,15 +73,11 @@ def fused_recurrent_kda(
 
 
 def _scan_equal_lengths(
-    q: jax.Array,  # [B, T, H, K]
-    k: jax.Array,  # [B, T, H, K]
-    v: jax.Array,  # [B, T, H, V]
-    g: jax.Array,  # [B, T, H, K]
-    beta: jax.Array,  # [B, T, H]
+    rows: KdaInputs,  # [B, T, H, ...], q scaled
     init: jax.Array,  # [B, H, K, V]
 ) -> tuple[jax.Array, jax.Array]:
     """B sequences of the same length T, stepped together."""
-    time_major = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
+    time_major = rows.map(lambda x: jnp.moveaxis(x, 1, 0))
 
     def step(state, token):
         return recurrent_step(state, *token)
@@ -100,16 +87,12 @@ def _scan_equal_lengths(
 
 
 def _scan_packed(
-    q: jax.Array,  # [T, H, K]
-    k: jax.Array,  # [T, H, K]
-    v: jax.Array,  # [T, H, V]
-    g: jax.Array,  # [T, H, K]
-    beta: jax.Array,  # [T, H]
+    inputs: KdaInputs,  # [T, H, ...] packed, q scaled
     init: jax.Array,  # [N, H, K, V]
     cu_seqlens: jax.Array,  # i32[N + 1]
 ) -> tuple[jax.Array, jax.Array]:
     """A packed batch: one pass over the T tokens, the state reset at each sequence start."""
-    tokens = q.shape[0]
+    tokens = inputs.q.shape[0]
     seq = sequence_ids(cu_seqlens, tokens)
     position = jnp.arange(tokens)
     is_first = position == cu_seqlens[seq]
@@ -124,5 +107,5 @@ def _scan_packed(
         return (state, finals), o_t
 
     # Sequences of length zero keep their initial state: `finals` starts as `init`.
-    (_, finals), o = jax.lax.scan(step, (init[0], init), (q, k, v, g, beta, seq, is_first, is_last))
+    (_, finals), o = jax.lax.scan(step, (init[0], init), (*inputs, seq, is_first, is_last))
     return o, finals

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import solve_triangular
 
-from kda_impl.kernels.common import HIGHEST, L2NORM_EPS, finite_log_decay
+from kda_impl.kernels.common import HIGHEST, L2NORM_EPS, KdaInputs, finite_log_decay
 from kda_impl.kernels.validation import static_validate_inputs
 
 
@@ -46,7 +46,7 @@ def reference_chunk_kda(
     chunk_size: int = 64,
 ) -> tuple[jax.Array, jax.Array | None]:
     """`chunk_kda`'s arguments and results (o in q's dtype, the final states in the compute dtype)."""
-    shapes = static_validate_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    shapes = static_validate_inputs(KdaInputs(q, k, v, g, beta), initial_state, cu_seqlens)
     out_shape, out_dtype, dtype = v.shape, q.dtype, jnp.promote_types(q.dtype, jnp.float32)
     # The B rows one after another, heads first: [H, B * T, ...].
     q, k, v, g, beta = (

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kda_impl.kernels.common import KdaInputs
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelShapes:
@@ -31,17 +33,14 @@ class KernelShapes:
 
 
 def static_validate_inputs(
-    q: jax.Array,  # [B, T, H, K]
-    k: jax.Array,  # [B, T, H, K]
-    v: jax.Array,  # [B, T, H, V]
-    g: jax.Array,  # [B, T, H, K]
-    beta: jax.Array,  # [B, T, H]
+    inputs: KdaInputs,  # [B, T, H, ...] as the caller gives them
     initial_state: jax.Array | None,  # [N, H, K, V]
     cu_seqlens: jax.Array | None,  # i32[N + 1]
 ) -> KernelShapes:
     """Check the dtypes are floating point and the shapes agree, naming the offending argument; return
     the sizes."""
-    validate_float_inputs(q=q, k=k, v=v, g=g, beta=beta)
+    validate_float_inputs(**inputs._asdict())
+    q, k, v, g, beta = inputs
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {q.shape}")
     batch, tokens, heads, key_dim = q.shape

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kda_impl.kernels.common import finite_log_decay, kda_gate, sequence_offsets
+from kda_impl.kernels.common import PackedInputs, finite_log_decay, kda_gate
 from kda_impl.kernels.entry import FlaResult, fla_entry
 from kda_impl.kernels.pallas.common import (
     chunk_schedule,
@@ -43,13 +43,7 @@ from kda_impl.kernels.validation import validate_gate_inputs
 
 
 def _packed_chunk_kda(
-    q: jax.Array,  # [T, H, K] packed, fp32
-    k: jax.Array,  # [T, H, K]
-    v: jax.Array,  # [T, H, V]
-    g: jax.Array,  # [T, H, K] log decay, or the raw gate with `use_gate_in_kernel`
-    beta: jax.Array,  # [T, H]
-    init: jax.Array,  # [N, H, K, V] fp32
-    cu_seqlens: jax.Array | None,  # i32[N + 1], or None: N rows of equal length
+    packed: PackedInputs,
     *,
     scale: float,
     chunk_size: int,
@@ -58,20 +52,15 @@ def _packed_chunk_kda(
     dt_bias: jax.Array | None,
     interpret: bool | None,
 ) -> tuple[jax.Array, jax.Array]:
-    """The kernel of `chunk_kda` on the packed batch (`entry.fla_entry`)."""
+    """The kernel of `chunk_kda` on the packed batch (`entry.fla_entry`); its g is the raw gate with
+    `use_gate_in_kernel`."""
     if chunk_size % SUB_BLOCK or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive multiple of {SUB_BLOCK}, got {chunk_size}")
-    heads, key_dim = q.shape[1:]
-    params = validate_gate_inputs(use_gate_in_kernel, A_log, dt_bias, g)
+    heads, key_dim = packed.inputs.q.shape[1:]
+    params = validate_gate_inputs(use_gate_in_kernel, A_log, dt_bias, packed.inputs.g)
     gate = None if params is None else (params[0].reshape(heads, 1, 1), params[1].reshape(heads, 1, key_dim))
     return _chunk_packed(
-        q * scale,
-        k,
-        v,
-        g,
-        beta,
-        init,
-        sequence_offsets(cu_seqlens, init.shape[0], q.shape[0]),
+        packed._replace(inputs=packed.inputs.scaled(scale)),
         gate,
         chunk_size=chunk_size,
         interpret=resolve_interpret(interpret),
@@ -116,23 +105,18 @@ def chunk_kda(
 
 
 def _chunk_packed(
-    q: jax.Array,  # [T, H, K] fp32, scaled
-    k: jax.Array,  # [T, H, K]
-    v: jax.Array,  # [T, H, V]
-    g: jax.Array,  # [T, H, K] log decay, or the raw gate with `gate`
-    beta: jax.Array,  # [T, H]
-    init: jax.Array,  # [N, H, K, V] fp32
-    cu_seqlens: jax.Array,  # i32[N + 1]
+    packed: PackedInputs,  # q scaled; g the log decay, or the raw gate with `gate`
     gate: tuple[jax.Array, jax.Array] | None,  # A_log [H, 1, 1], dt_bias [H, 1, K]
     *,
     chunk_size: int,
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array]:
     """Lay the packed batch out in chunks, run the kernel, gather o back: `(o [T, H, V], finals)`."""
-    heads, key_dim = q.shape[1:]
-    value_dim = v.shape[-1]
-    layout, schedule = chunk_schedule(cu_seqlens, q.shape[0], chunk_size)
-    qc, kc, vc, gc, bc = (to_chunks(x, layout) for x in (q, k, v, g, beta))
+    heads, key_dim = packed.inputs.q.shape[1:]
+    value_dim = packed.inputs.v.shape[-1]
+    init = packed.init
+    layout, schedule = chunk_schedule(packed.offsets(), packed.inputs.q.shape[0], chunk_size)
+    qc, kc, vc, gc, bc = packed.inputs.map(lambda x: to_chunks(x, layout))
     num_chunks = qc.shape[0]
 
     def chunk_block(dim: int) -> pl.BlockSpec:  # [NC, H, C, dim] → one chunk of one head

@@ -23,11 +23,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kda_impl.kernels.common import prepare_inputs
-from kda_impl.kernels.decode import as_layered_pool, validate_decode_inputs
+from kda_impl.kernels.common import KdaInputs
+from kda_impl.kernels.decode import prepare_decode
 from kda_impl.kernels.pallas.common import COLUMNS, column_step, pack_columns, resolve_interpret
 from kda_impl.kernels.pallas.tuning import decode_heads_per_step
-from kda_impl.kernels.slots import route_unsafe_slots_to_dummy
 
 
 def decode_kda_slots(
@@ -49,22 +48,20 @@ def decode_kda_slots(
     Returns `(o [B, H, V] in q's dtype, state_buffer with the given slots updated)`. Slot indices are
     checked (outside `jit`) or routed to the dummy slot (inside it) as in `decode.decode_kda_slots`.
     """
-    pool = as_layered_pool(state_buffer, layer_index)
-    layer = 0 if layer_index is None else layer_index
-    validate_decode_inputs(q, k, v, g, beta, pool, slot_indices, layer)
-    out_dtype = q.dtype
-    q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    _, heads, key_dim = q.shape
+    pool, layer, slots, inputs = prepare_decode(
+        KdaInputs(q, k, v, g, beta), state_buffer, slot_indices, layer_index, scale, use_qk_l2norm_in_kernel
+    )
+    _, heads, key_dim = inputs.q.shape
     o, pool = _decode(
-        route_unsafe_slots_to_dummy(slot_indices, pool.shape[1]),
-        jnp.asarray(layer, jnp.int32).reshape(1),
-        pack_columns(q * scale, k, g, beta),
-        v[:, :, None, :],
+        slots,
+        layer.reshape(1),
+        pack_columns(inputs.q, inputs.k, inputs.g, inputs.beta),
+        inputs.v[:, :, None, :],
         pool,
-        heads_per_step=decode_heads_per_step(heads, key_dim, v.shape[-1]),
+        heads_per_step=decode_heads_per_step(heads, key_dim, inputs.v.shape[-1]),
         interpret=resolve_interpret(interpret),
     )
-    return o[:, :, 0].astype(out_dtype), (pool[0] if layer_index is None else pool)
+    return o[:, :, 0].astype(q.dtype), (pool[0] if layer_index is None else pool)
 
 
 @functools.partial(jax.jit, static_argnames=("heads_per_step", "interpret"))

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kda_impl.kernels.common import sequence_offsets
+from kda_impl.kernels.common import PackedInputs
 from kda_impl.kernels.entry import FlaResult, fla_entry
 from kda_impl.kernels.pallas.common import (
     COLUMNS,
@@ -33,21 +33,44 @@ from kda_impl.kernels.pallas.tuning import RECURRENT_TOKENS_PER_STEP
 
 
 def _packed_fused_recurrent_kda(
-    q: jax.Array,  # [T, H, K] packed, fp32
-    k: jax.Array,  # [T, H, K]
-    v: jax.Array,  # [T, H, V]
-    g: jax.Array,  # [T, H, K]
-    beta: jax.Array,  # [T, H]
-    init: jax.Array,  # [N, H, K, V] fp32
-    cu_seqlens: jax.Array | None,  # i32[N + 1], or None: N rows of equal length
-    *,
-    scale: float,
-    interpret: bool | None,
+    packed: PackedInputs, *, scale: float, interpret: bool | None
 ) -> tuple[jax.Array, jax.Array]:
-    """The kernel of `fused_recurrent_kda` on the packed batch (`entry.fla_entry`)."""
-    cu_seqlens = sequence_offsets(cu_seqlens, init.shape[0], q.shape[0])
-    interpret = resolve_interpret(interpret)
-    return _recurrent_packed(q * scale, k, v, g, beta, init, cu_seqlens, interpret=interpret)
+    """The kernel of `fused_recurrent_kda` on the packed batch (`entry.fla_entry`): lay it out in token
+    blocks, run the kernel, gather o back: `(o [T, H, V], finals)`."""
+    heads, key_dim = packed.inputs.q.shape[1:]
+    value_dim = packed.inputs.v.shape[-1]
+    init = packed.init
+    block = RECURRENT_TOKENS_PER_STEP
+    layout, schedule = chunk_schedule(packed.offsets(), packed.inputs.q.shape[0], block)
+    qc, kc, vc, gc, bc = packed.inputs.scaled(scale).map(lambda x: to_chunks(x, layout))
+    columns = pack_columns(qc, kc, gc, bc)  # [NC, H, block, K, 4]
+    num_blocks = columns.shape[0]
+
+    row_block = pl.BlockSpec((None, None, block, 1, value_dim), lambda h, c, *_: (c, h, 0, 0, 0))
+    state_block = pl.BlockSpec((None, None, key_dim, value_dim), lambda h, c, seq, *_: (seq[c], h, 0, 0))
+    o_blocks, finals = pl.pallas_call(
+        _recurrent_kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(schedule),
+            grid=(heads, num_blocks),
+            in_specs=[
+                pl.BlockSpec((None, None, block, key_dim, COLUMNS), lambda h, c, *_: (c, h, 0, 0, 0)),
+                row_block,
+                state_block,
+            ],
+            out_specs=[row_block, state_block],
+            scratch_shapes=[pltpu.VMEM((key_dim, value_dim), jnp.float32)],
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct((num_blocks, heads, block, 1, value_dim), jnp.float32),
+            jax.ShapeDtypeStruct(init.shape, jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=resolve_interpret(interpret),
+    )(*schedule, columns, vc[:, :, :, None, :], init)
+    o = o_blocks[layout.slot, :, layout.row, 0]  # [T, H, V]
+    # A sequence of length zero owns no block: its final state is its initial one.
+    return o, jnp.where(layout.nonempty[:, None, None, None], finals, init)
 
 
 _FUSED_RECURRENT_KDA = fla_entry(_packed_fused_recurrent_kda, static=("interpret",))
@@ -76,53 +99,6 @@ def fused_recurrent_kda(
         interpret: run the kernel in interpret mode; default: unless the backend is TPU.
     """
     return _FUSED_RECURRENT_KDA(**locals())  # every argument as written above
-
-
-def _recurrent_packed(
-    q: jax.Array,  # [T, H, K] fp32, scaled
-    k: jax.Array,  # [T, H, K]
-    v: jax.Array,  # [T, H, V]
-    g: jax.Array,  # [T, H, K]
-    beta: jax.Array,  # [T, H]
-    init: jax.Array,  # [N, H, K, V] fp32
-    cu_seqlens: jax.Array,  # i32[N + 1]
-    *,
-    interpret: bool,
-) -> tuple[jax.Array, jax.Array]:
-    """Lay the packed batch out in token blocks, run the kernel, gather o back: `(o [T, H, V], finals)`."""
-    heads, key_dim = q.shape[1:]
-    value_dim = v.shape[-1]
-    block = RECURRENT_TOKENS_PER_STEP
-    layout, schedule = chunk_schedule(cu_seqlens, q.shape[0], block)
-    qc, kc, vc, gc, bc = (to_chunks(x, layout) for x in (q, k, v, g, beta))
-    columns = pack_columns(qc, kc, gc, bc)  # [NC, H, block, K, 4]
-    num_blocks = columns.shape[0]
-
-    row_block = pl.BlockSpec((None, None, block, 1, value_dim), lambda h, c, *_: (c, h, 0, 0, 0))
-    state_block = pl.BlockSpec((None, None, key_dim, value_dim), lambda h, c, seq, *_: (seq[c], h, 0, 0))
-    o_blocks, finals = pl.pallas_call(
-        _recurrent_kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(schedule),
-            grid=(heads, num_blocks),
-            in_specs=[
-                pl.BlockSpec((None, None, block, key_dim, COLUMNS), lambda h, c, *_: (c, h, 0, 0, 0)),
-                row_block,
-                state_block,
-            ],
-            out_specs=[row_block, state_block],
-            scratch_shapes=[pltpu.VMEM((key_dim, value_dim), jnp.float32)],
-        ),
-        out_shape=[
-            jax.ShapeDtypeStruct((num_blocks, heads, block, 1, value_dim), jnp.float32),
-            jax.ShapeDtypeStruct(init.shape, jnp.float32),
-        ],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        interpret=interpret,
-    )(*schedule, columns, vc[:, :, :, None, :], init)
-    o = o_blocks[layout.slot, :, layout.row, 0]  # [T, H, V]
-    # A sequence of length zero owns no block: its final state is its initial one.
-    return o, jnp.where(layout.nonempty[:, None, None, None], finals, init)
 
 
 def _recurrent_kernel(
