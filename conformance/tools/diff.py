@@ -40,20 +40,16 @@ LAYER_KERNEL_RERUN = "o_kda (the kernel on the layer's inputs)"
 LAYER_KERNEL_OWN = "o_kda (the layer's own kernel output)"
 #: A scale error is named when the best scale of the reference leaves at most this share of the error.
 SCALE_RESIDUAL_SHARE = 0.1
-# (stage, result shown, check whose computation and tolerance it uses)
+# (stage, result shown, check whose computation and tolerance it uses); an intermediate is its own check.
 STAGES = (
-    ("conv", "q_after_conv", "q_after_conv"),
-    ("conv", "k_after_conv", "k_after_conv"),
-    ("conv", "v_after_conv", "v_after_conv"),
-    ("gate/beta", "g", "g"),
-    ("gate/beta", "beta", "beta"),
+    *(("conv", name, name) for name in ("q_after_conv", "k_after_conv", "v_after_conv")),
+    *(("gate/beta", name, name) for name in ("g", "beta")),
     ("kernel", "o_kda_chunk (dumped inputs)", "kernel-chunk"),
     ("kernel", "recurrent_state_chunk (dumped inputs)", "kernel-chunk-state"),
     ("kernel", "o_kda_fused_recurrent (dumped inputs)", "kernel-recurrent"),
     ("kernel", "recurrent_state_fused_recurrent (dumped inputs)", "kernel-recurrent-state"),
     ("kernel", LAYER_KERNEL_RERUN, None),
-    ("norm", "g_out", "g_out"),
-    ("norm", "o_norm", "o_norm"),
+    *(("norm", name, name) for name in ("g_out", "o_norm")),
     ("out", "out", "layer"),
     ("state", "layer_state (the layer's final state)", "layer-state"),
     ("chunked prefill", "chunked_out (the case in pieces)", "chunked-prefill"),
@@ -128,37 +124,34 @@ def _kernel_on_layer_inputs(runner: CheckRunner, case: CaseData, dtype: str) -> 
     return Sides(o, reference, axes), check, LAYER_KERNEL_RERUN
 
 
-def _out(row: StageResult) -> bool:
-    return row.comparison is not None and not row.comparison.passed
+def _first_stage(results: list[StageResult], test: Callable[[Comparison], object]) -> StageResult | None:
+    """The first stage (in the layer's order) compared, whose comparison passes `test`."""
+    return next((row for row in results if row.comparison is not None and test(row.comparison)), None)
 
 
 def first_out_of_tolerance(results: list[StageResult]) -> StageResult | None:
     """The first stage out of tolerance, in the order of the layer."""
-    return next((row for row in results if _out(row)), None)
+    return _first_stage(results, lambda c: not c.passed)
 
 
 def state_defects(results: list[StageResult]) -> list[tuple[StageResult, str]]:
     """The state stages out of tolerance while their output stage holds, each with what it is in words."""
-    by_check = {row.check: row for row in results}
-    defects = []
-    for row in results:
-        if row.check in STATE_OF_OUTPUT and _out(row):
-            output_check, what = STATE_OF_OUTPUT[row.check]
-            output = by_check.get(output_check)
-            if output is not None and output.comparison is not None and output.comparison.passed:
-                defects.append((row, what))
-    return defects
+    outputs = {row.check: row.comparison for row in results}
+    return [
+        (row, STATE_OF_OUTPUT[row.check][1])
+        for row in results
+        if row.check in STATE_OF_OUTPUT
+        and row.comparison is not None
+        and not row.comparison.passed
+        and (output := outputs.get(STATE_OF_OUTPUT[row.check][0])) is not None
+        and output.passed
+    ]
 
 
 def stage_to_look_at(results: list[StageResult]) -> StageResult | None:
     """The stage to draw by default: the first state defect, else the first stage out of tolerance."""
     defects = state_defects(results)
     return defects[0][0] if defects else first_out_of_tolerance(results)
-
-
-def _first_stage(results: list[StageResult], fails: Callable[[Comparison], bool]) -> StageResult | None:
-    """The first stage (in the layer's order) compared, whose comparison `fails`."""
-    return next((row for row in results if row.comparison is not None and fails(row.comparison)), None)
 
 
 def first_leaving_reference(results: list[StageResult]) -> StageResult | None:
@@ -244,11 +237,11 @@ def table_lines(results: list[StageResult]) -> list[str]:
                 f"({100 * along:.1f}% of the squared error lies along it)"
             )
     lines.append(_leaving_line(results))
-    diagnosed = [row for row in results if row.comparison is not None and row.comparison.matmul_diagnosis]
-    if diagnosed:
-        row = diagnosed[0]
+    diagnosed = _first_stage(results, lambda c: c.matmul_diagnosis)
+    if diagnosed is not None:
         lines.append(
-            f"likely cause, from {row.stage} ({row.result}) on: {row.comparison.matmul_diagnosis.text()}"
+            f"likely cause, from {diagnosed.stage} ({diagnosed.result}) on: "
+            f"{diagnosed.comparison.matmul_diagnosis.text()}"
         )
     departing = first_leaving_contract(results)
     if departing is not None:

@@ -5,6 +5,7 @@ the float64 truth under the relative gate, the precision contract's model."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -12,16 +13,13 @@ from conformance.judging.comparison import Comparison
 from conformance.judging.verdict import MODE_GATES
 from conformance.tools.diff import StageResult
 
+if TYPE_CHECKING:
+    from matplotlib.colors import LogNorm
+
 
 def _ratio(actual: np.ndarray, against: np.ndarray, atol: float, rtol: float) -> np.ndarray:
     actual = np.where(np.isfinite(actual), actual, np.inf).astype(np.float64)
     return np.abs(actual - against) / (atol + rtol * np.abs(against))
-
-
-def error_ratio(row: StageResult) -> np.ndarray:
-    """|actual - expected| / (atol + rtol·|expected|) of a compared stage, elementwise (> 1 fails)."""
-    tol, sides = row.comparison.measurement.tolerance, row.checked.sides
-    return _ratio(sides.actual, sides.expected, tol.atol, tol.rtol)
 
 
 def shown_gate(c: Comparison) -> str:
@@ -40,16 +38,18 @@ def judged_ratio(row: StageResult) -> tuple[np.ndarray, str]:
     over the relative gate's margin bound (factor × the reference's margin + floor), > 1 fails;
     contract: |a - model| / (max nRMSE · rms(model)), whose RMS over the result > 1 fails."""
     c, gate, checked = row.comparison, shown_gate(row.comparison), row.checked
+    actual, tol = checked.sides.actual, c.measurement.tolerance
     if gate == "contract":
         rms = float(np.sqrt(np.mean(np.square(checked.model)))) or 1.0
-        ratio = _ratio(checked.sides.actual, checked.model, c.contract.max_nrmse * rms, 0.0)
+        ratio = _ratio(actual, checked.model, c.contract.max_nrmse * rms, 0.0)
         return ratio, "|err vs contract model| / (max nRMSE·rms(model))   (RMS > 1 fails)"
     if gate == "relative":
-        limits, tol = c.attribution.limits, c.measurement.tolerance
+        limits = c.attribution.limits
         bound = limits.factor * c.attribution.reference.margin + limits.margin_floor
-        ratio = _ratio(checked.sides.actual, checked.truth, tol.atol, tol.rtol) / bound
+        ratio = _ratio(actual, checked.truth, tol.atol, tol.rtol) / bound
         return ratio, "|err vs truth| / (atol + rtol·|truth|) / relative bound   (> 1 fails)"
-    return error_ratio(row), _COLORBAR_LABEL
+    ratio = _ratio(actual, checked.sides.expected, tol.atol, tol.rtol)
+    return ratio, "|err| / (atol + rtol·|ref|)   (> 1 fails)"
 
 
 def is_state(row: StageResult) -> bool:
@@ -95,29 +95,27 @@ def draw_heatmap(row: StageResult, path: Path, title: str, cu_seqlens: np.ndarra
         plt.close(figure)
 
 
-def _color_range(values: np.ndarray) -> tuple[np.ndarray, float]:
-    """Values clipped to [1e-4, top] for a log colour scale whose top is at least 1 (the limit)."""
+def _color_scale(values: np.ndarray) -> tuple[np.ndarray, LogNorm]:
+    """Values clipped to [1e-4, top] and their log colour scale, whose top is at least 1 (the limit)."""
+    from matplotlib.colors import LogNorm
+
     finite = np.where(np.isfinite(values), values, np.nan)
     top = max(float(np.nanmax(finite)) if np.isfinite(finite).any() else 1.0, 1.0)
-    return np.clip(values, 1e-4, top), top
-
-
-_COLORBAR_LABEL = "|err| / (atol + rtol·|ref|)   (> 1 fails)"
+    return np.clip(values, 1e-4, top), LogNorm(vmin=1e-4, vmax=top)
 
 
 def _draw_token_grid(plt, row: StageResult, title: str, cu_seqlens: np.ndarray, label: str):
-    from matplotlib.colors import LogNorm
     from matplotlib.ticker import MaxNLocator
 
     grid, (x_axis, y_axis) = heatmap_grid(row)
-    clipped, top = _color_range(grid)
+    clipped, norm = _color_scale(grid)
     figure, axes = plt.subplots(figsize=(10, 4))
     image = axes.imshow(
         clipped.T,
         aspect="auto",
         origin="lower",
         interpolation="nearest",
-        norm=LogNorm(vmin=1e-4, vmax=top),
+        norm=norm,
         cmap="magma",
     )
     if x_axis == "token":
@@ -134,16 +132,13 @@ def _draw_token_grid(plt, row: StageResult, title: str, cu_seqlens: np.ndarray, 
 
 def _draw_state(plt, panels: np.ndarray, title: str, label: str):
     """One key × value panel per head, in rows of up to 8, on one shared log colour scale."""
-    from matplotlib.colors import LogNorm
-
     heads = panels.shape[0]
     columns = min(heads, 8)
     rows = -(-heads // columns)
-    clipped, top = _color_range(panels)
+    clipped, norm = _color_scale(panels)
     figure, grid = plt.subplots(
         rows, columns, figsize=(2.2 * columns + 1.5, 2.2 * rows + 0.8), squeeze=False, layout="constrained"
     )
-    norm = LogNorm(vmin=1e-4, vmax=top)
     image = None
     for head, axes in enumerate(grid.flat):
         if head >= heads:

@@ -19,8 +19,6 @@ from conformance.reports.platform import devices_label
 from conformance.reports.report import REPORT_FORMAT, REPORT_VERSION, STATUSES
 from conformance.runtime.run_platform import is_interpreted, kernel_execution, recorded_platform
 
-_CHECK_TEXT_FIELDS = ("id", "status", "message")
-
 
 class ReportError(Exception):
     """A report file the gate cannot read, or one whose content is malformed."""
@@ -77,7 +75,7 @@ def has_implementation_faults(report: dict[str, Any]) -> bool:
 def _check_structure(check: Any, label: str) -> None:
     if not isinstance(check, dict):
         raise ReportError(f"{label}: expected an object, found {check!r}")
-    for field in _CHECK_TEXT_FIELDS:
+    for field in ("id", "status", "message"):
         if not isinstance(check.get(field), str):
             raise ReportError(f"{label}: {field!r} must be a string, found {check.get(field)!r}")
     if check["status"] not in STATUSES:
@@ -223,15 +221,11 @@ def platform_breaches(report: Mapping[str, Any], required: str) -> list[str]:
     kernels = platform.get("kernels", {})
     if not isinstance(kernels, Mapping) or not all(isinstance(k, str) for k in kernels.values()):
         return [*found, f"platform: 'kernels' must map each dtype to a string, found {kernels!r}"]
-    interpreted = {
-        dtype: execution
-        for dtype, execution in kernels.items()
-        if is_interpreted(kernel_execution(execution, str(platform.get("name"))))
-    }
     if required != "cpu":
         found += [
             f"platform: required {required}, but the {dtype} kernels ran {execution}: Pallas interpreted, "
             "never compiled"
-            for dtype, execution in interpreted.items()
+            for dtype, execution in kernels.items()
+            if is_interpreted(kernel_execution(execution, str(platform.get("name"))))
         ]
     return found

@@ -41,6 +41,13 @@ BISECT_STEPS = 3
 GOALS = {"fp32": 1e-4, "bf16": 1e-2}
 
 
+_LAYER_GROUPS = frozenset({"layer", "intermediate", "decode", "chunked"})
+
+
+def _any_case(seq_lens: tuple[int, ...]) -> bool:
+    return True
+
+
 @dataclasses.dataclass(frozen=True)
 class Defect:
     """One injected defect: `inject(weights, ε)` (ε-defects) or `inject(weights, 1.0)` (structural)."""
@@ -49,57 +56,37 @@ class Defect:
     description: str
     structural: bool
     inject: Callable[[Mapping[str, np.ndarray], float], Injection]
-    groups: frozenset[str]  # the check groups it can reach (conformance.checks.catalogue.GROUPS)
-    preferred_cases: tuple[str, ...]
-    exercised_by: Callable[[tuple[int, ...]], bool]
+    groups: frozenset[str] = _LAYER_GROUPS  # the check groups it can reach (catalogue.GROUPS)
+    preferred_cases: tuple[str, ...] = ("T65",)
+    exercised_by: Callable[[tuple[int, ...]], bool] = _any_case
     layer_class: type = DefectiveKDAImpl.layer_class
     dtypes: tuple[str, ...] = fmt.DTYPES
 
 
-_LAYER_GROUPS = frozenset({"layer", "intermediate", "decode", "chunked"})
-
-
-def _scaled(name: str) -> Callable[[Mapping[str, np.ndarray], float], Injection]:
-    def inject(weights: Mapping[str, np.ndarray], eps: float) -> Injection:
-        return Injection(weights={**weights, name: weights[name] * np.float32(1 + eps)})
-
-    return inject
-
-
-def _shifted(name: str) -> Callable[[Mapping[str, np.ndarray], float], Injection]:
-    def inject(weights: Mapping[str, np.ndarray], eps: float) -> Injection:
-        return Injection(weights={**weights, name: weights[name] + np.float32(eps)})
-
-    return inject
-
-
-def _any_case(seq_lens: tuple[int, ...]) -> bool:
-    return True
+def _on_weight(
+    name: str, change: Callable[[np.ndarray, float], np.ndarray]
+) -> Callable[[Mapping[str, np.ndarray], float], Injection]:
+    """The injection of the weight `name` changed to `change(weight, ε)`."""
+    return lambda weights, eps: Injection(weights={**weights, name: change(weights[name], eps)})
 
 
 def defects(weight_names: list[str]) -> list[Defect]:
     """Every defect the command knows, the weight scales in the dump's order of `weight_names`."""
-    found = [
-        Defect(
-            id=f"scale:{name}",
-            description=f"`{name}` scaled by 1 + ε",
-            structural=False,
-            inject=_scaled(name),
-            groups=_LAYER_GROUPS,
-            preferred_cases=("T65",),
-            exercised_by=_any_case,
-        )
-        for name in weight_names
-    ]
-    found += [
+    return [
+        *(
+            Defect(
+                id=f"scale:{name}",
+                description=f"`{name}` scaled by 1 + ε",
+                structural=False,
+                inject=_on_weight(name, lambda weight, eps: weight * np.float32(1 + eps)),
+            )
+            for name in weight_names
+        ),
         Defect(
             id="shift:A_log",
             description="the gate's `A_log` shifted by ε",
             structural=False,
-            inject=_shifted("A_log"),
-            groups=_LAYER_GROUPS,
-            preferred_cases=("T65",),
-            exercised_by=_any_case,
+            inject=_on_weight("A_log", lambda weight, eps: weight + np.float32(eps)),
         ),
         Defect(
             id="leak:state",
@@ -125,14 +112,10 @@ def defects(weight_names: list[str]) -> list[Defect]:
             description="one bf16 rounding moved: beta's sigmoid in bf16, not fp32",
             structural=True,
             inject=lambda weights, eps: Injection(),
-            groups=_LAYER_GROUPS,
-            preferred_cases=("T65",),
-            exercised_by=_any_case,
             layer_class=BetaSigmoidInRunDtype,
             dtypes=("bf16",),
         ),
     ]
-    return found
 
 
 def select_defects(all_defects: list[Defect], patterns: list[str] | None) -> list[Defect]:
@@ -194,14 +177,6 @@ class PowerMeter:
         # defect is caught only by a check that holds without it.
         self.baseline: dict[str, Outcome] = {}
 
-    def adapter(self, dtype: str, layer_class: type) -> DefectiveKDAImpl:
-        key = (dtype, layer_class)
-        if key not in self._adapters:
-            self._adapters[key] = DefectiveKDAImpl(
-                self.dumps.config, self.dumps.weights(), dtype, self.kernel, layer_class=layer_class
-            )
-        return self._adapters[key]
-
     def evaluate(
         self,
         dtype: str,
@@ -211,7 +186,12 @@ class PowerMeter:
     ) -> Outcome:
         """Run the `cases` (case → checks) with `injection`; which checks fail under each policy, leaving
         out those `baseline[dtype]` fails. A check that raises (other than a skip) fails under both."""
-        adapter = self.adapter(dtype, layer_class)
+        key = (dtype, layer_class)
+        if key not in self._adapters:
+            self._adapters[key] = DefectiveKDAImpl(
+                self.dumps.config, self.dumps.weights(), dtype, self.kernel, layer_class=layer_class
+            )
+        adapter = self._adapters[key]
         adapter.inject(injection)
         self.runner.calls.use_adapter(dtype, adapter)
         self.runner.calls.forget_results()
@@ -235,12 +215,8 @@ class PowerMeter:
                 if comparison.usable:
                     ratios["default"][name] = comparison.gate_ratio
                     ratios["absolute"][name] = comparison.absolute_ratio
-        if dtype in self.baseline:
-            failed = {
-                p: [c for c in names if c not in self.baseline[dtype].failed[p]]
-                for p, names in failed.items()
-            }
-        return Outcome(failed, ratios)
+        known = self.baseline[dtype].failed if dtype in self.baseline else {p: [] for p in POLICIES}
+        return Outcome({p: [c for c in names if c not in known[p]] for p, names in failed.items()}, ratios)
 
 
 def smallest_caught(evaluate: Callable[[float], Outcome]) -> tuple[dict[str, dict[str, Any]], list]:
@@ -301,22 +277,19 @@ def measure_power(
     progress: Callable[[str], None],
 ) -> dict[str, Any]:
     """The power of the suite on `dumps`: the baseline and every defect × dtype, as power.json holds it."""
-    weights = dumps.weights()
     meter = PowerMeter(dumps, policy, kernel)
     plans = {
         d.id: {c: checks_for(d, dumps.cases[c].seq_lens) for c in cases_for(d, dumps, selected_cases)}
         for d in chosen
     }
+    union: dict[str, list[str]] = {}  # case → every check a defect's plan runs on it, in first-seen order
+    for plan in plans.values():
+        for case_id, checks in plan.items():
+            union[case_id] = list(dict.fromkeys([*union.get(case_id, []), *checks]))
     rows, baselines = [], {}
     for dtype in dtypes:
-        union: dict[str, list[str]] = {}
-        for plan in plans.values():
-            for case_id, checks in plan.items():
-                union.setdefault(case_id, [])
-                union[case_id] += [c for c in checks if c not in union[case_id]]
         started = time.perf_counter()
         progress(f"{dtype}: baseline (no defect) on {sorted(union)}")
-        meter.baseline.pop(dtype, None)
         baseline = meter.baseline[dtype] = meter.evaluate(dtype, Injection(), union)
         baselines[dtype] = {
             "cases": sorted(union),
@@ -324,10 +297,11 @@ def measure_power(
             "ratios": baseline.ratios,
             "seconds": time.perf_counter() - started,
         }
-        for defect in chosen:
-            if dtype not in defect.dtypes:
-                continue
-            rows.append(_measure_row(meter, defect, dtype, plans[defect.id], weights, progress))
+        rows += [
+            _measure_row(meter, defect, dtype, plans[defect.id], progress)
+            for defect in chosen
+            if dtype in defect.dtypes
+        ]
     return {"baseline": baselines, "rows": rows}
 
 
@@ -336,7 +310,6 @@ def _measure_row(
     defect: Defect,
     dtype: str,
     plan: dict[str, list[str]],
-    weights: Mapping[str, np.ndarray],
     progress: Callable[[str], None],
 ) -> dict[str, Any]:
     row: dict[str, Any] = {
@@ -353,7 +326,7 @@ def _measure_row(
     started = time.perf_counter()
 
     def evaluate(eps: float) -> Outcome:
-        return meter.evaluate(dtype, defect.inject(weights, eps), plan, defect.layer_class)
+        return meter.evaluate(dtype, defect.inject(meter.dumps.weights(), eps), plan, defect.layer_class)
 
     if defect.structural:
         outcome = evaluate(1.0)

@@ -28,39 +28,31 @@ from conformance.tools.power import (
 REPORT_FILES = ("power.json", "power.md")
 
 
-def _eps_cell(found: dict[str, Any]) -> str:
-    if found["eps"] is None:
-        return f"not caught at {GRID[-1]:.0e}"
-    bound = "≤ " if found["below"] is None else ""
-    return f"{bound}{found['eps']:.2g} ({found['caught_by']})"
-
-
 def _cell(row: dict[str, Any], policy: str) -> str:
     if not row["measured"]:
         return "n/a"
     found = row[policy]
     if row["structural"]:
         return f"caught ({found['caught_by']})" if found["caught"] else "not caught"
-    return _eps_cell(found)
+    if found["eps"] is None:
+        return f"not caught at {GRID[-1]:.0e}"
+    return f"{'≤ ' if found['below'] is None else ''}{found['eps']:.2g} ({found['caught_by']})"
 
 
 def table(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     header = ["defect", "dtype", "cases", "default policy", "absolute gate", "goal", "met"]
-    body = []
-    for row in result["rows"]:
-        goal = "caught" if row["structural"] else f"ε ≤ {row['goal']:g}"
-        met = "yes" if row["met"] else ("no" if row["measured"] else f"no: {row['reason']}")
-        body.append(
-            [
-                row["defect"],
-                row["dtype"],
-                " ".join(row["cases"]),
-                _cell(row, "default"),
-                _cell(row, "absolute"),
-                goal,
-                met,
-            ]
-        )
+    body = [
+        [
+            row["defect"],
+            row["dtype"],
+            " ".join(row["cases"]),
+            _cell(row, "default"),
+            _cell(row, "absolute"),
+            "caught" if row["structural"] else f"ε ≤ {row['goal']:g}",
+            "yes" if row["met"] else ("no" if row["measured"] else f"no: {row['reason']}"),
+        ]
+        for row in result["rows"]
+    ]
     return header, body
 
 
@@ -147,11 +139,6 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_reports(result: dict[str, Any], folder: Path) -> None:
-    write_json(result, folder / "power.json")
-    (folder / "power.md").write_text(markdown(result))
-
-
 def check_report_dir(folder: Path) -> None:
     """Make `folder` and make sure the reports can be written there; ValueError says why not."""
     try:
@@ -194,7 +181,8 @@ def run(
         "seconds": time.perf_counter() - started,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
     }
-    write_reports(result, report_dir)
+    write_json(result, report_dir / "power.json")
+    (report_dir / "power.md").write_text(markdown(result))
     return result, missed(result)
 
 
