@@ -75,12 +75,13 @@ def weight_sets(
     return config, {name: base, STRESS: stressed}, {name: source, STRESS: f"{source}+stress-gate@{seed}"}
 
 
-def replay_command(options: SearchOptions, path: Path, dtype: str) -> str:
-    words = ["python", "-m", "conformance", "run", "--dumps", str(path), "--impl", options.impl]
-    words += ["--kernel", options.kernel, "--dtypes", dtype]
+def replay_command(options: SearchOptions, dumps: str, dtypes: str, *more: str) -> str:
+    """The `conformance run` of the implementation under test on `dumps` in `dtypes`, then `more`."""
+    words = ["python", "-m", "conformance", "run", "--dumps", dumps, "--impl", options.impl]
+    words += ["--kernel", options.kernel, "--dtypes", dtypes]
     for key, value in options.options.items():
         words += ["--impl-option", f"{key}={value}"]
-    return shlex.join(words)
+    return shlex.join([*words, *more])
 
 
 def run_search(options: SearchOptions, console: Console | None = None) -> int:
@@ -150,7 +151,7 @@ def _found(options: SearchOptions, judge: Judge, exploration: Exploration, conso
         path, options.adapter_class, options.kernel, options.options, options.policy, dtype, [finding.check]
     )
     dirty = reproducer.clean(path, options.kernel, options.policy, dtype)
-    command = replay_command(options, path, dtype)
+    command = replay_command(options, str(path), dtype)
     console.print(
         f"[bold red]FOUND[/] {finding.check} after {finding.found_s:.0f} s: ratio {judged.ratio:.3g} "
         f"(impl margin {judged.impl_margin:.3g} / nRMSE {judged.impl_nrmse:.3g} vs truth; the plain fp32 "
