@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -20,10 +19,12 @@ from conformance.adapter import KDAAdapter
 from conformance.adapters.guard import CallWatchdog
 from conformance.dumps.reader import DumpSet
 from conformance.judging.tolerances import TolerancePolicy
+from conformance.reports.json_file import write_json
 from conformance.search import reproducer
-from conformance.search.explore import SHRINK_BUDGET_S, Exploration, explore
+from conformance.search.dumpcase import CASE_ID
+from conformance.search.explore import SHRINK_BUDGET_S, Finding, explore
 from conformance.search.judge import Judge
-from conformance.search.report import SearchProgress, Tally, check_table, regime_table, write_report
+from conformance.search.report import REPORT_FILE, SearchProgress, Tally, check_table, regime_table
 from conformance.search.space import MAX_SEQS, MAX_TOKENS, case_strategy
 from kda_spec.config import KDAConfig, get_preset
 from kda_spec.synthetic_weights import stress_weights, synthetic_weights
@@ -75,12 +76,13 @@ def weight_sets(
     return config, {name: base, STRESS: stressed}, {name: source, STRESS: f"{source}+stress-gate@{seed}"}
 
 
-def replay_command(options: SearchOptions, path: Path, dtype: str) -> str:
-    words = ["python", "-m", "conformance", "run", "--dumps", str(path), "--impl", options.impl]
-    words += ["--kernel", options.kernel, "--dtypes", dtype]
+def replay_command(options: SearchOptions, dumps: str, dtypes: str, *more: str) -> str:
+    """The `conformance run` of the implementation under test on `dumps` in `dtypes`, then `more`."""
+    words = ["python", "-m", "conformance", "run", "--dumps", dumps, "--impl", options.impl]
+    words += ["--kernel", options.kernel, "--dtypes", dtypes]
     for key, value in options.options.items():
         words += ["--impl-option", f"{key}={value}"]
-    return shlex.join(words)
+    return shlex.join([*words, *more])
 
 
 def run_search(options: SearchOptions, console: Console | None = None) -> int:
@@ -96,12 +98,11 @@ def run_search(options: SearchOptions, console: Console | None = None) -> int:
         options.dtypes, list(weights), max_tokens=options.max_tokens, max_seqs=options.max_seqs
     )
     tally = Tally()
-    started = time.perf_counter()
     with SearchProgress(options.budget_s, console, enabled=options.progress) as progress:
 
         def seen(verdict, shrinking):
             tally.add(verdict, shrinking)
-            progress.update(tally, time.perf_counter() - started, shrinking)
+            progress.show(tally, shrinking)
 
         exploration = explore(
             judge.judge, strategy, budget_s=options.budget_s, seed=options.seed, on_verdict=seen,
@@ -109,6 +110,13 @@ def run_search(options: SearchOptions, console: Console | None = None) -> int:
         )  # fmt: skip
     console.print(regime_table(tally))
     console.print(check_table(tally))
+    finding = None if exploration.finding is None else _found(options, judge, exploration.finding, console)
+    rate = 60 * exploration.cases / exploration.drawing_s
+    summary = (
+        f"search: {exploration.cases} cases in {exploration.drawing_s:.0f} s ({rate:.0f}/min), "
+        f"{tally.shrink_cases} more while shrinking; {exploration.seconds:.0f} s in all"
+    )
+    console.print(summary if finding else f"{summary}; nothing flagged (worst ratio {tally.worst_ratio:.3g})")
     report = {
         "impl": options.impl,
         "kernel": options.kernel,
@@ -120,29 +128,17 @@ def run_search(options: SearchOptions, console: Console | None = None) -> int:
         "budget_s": options.budget_s,
         "seconds": exploration.seconds,
         "drawing_s": exploration.drawing_s,
-        "cases_per_minute": 60 * exploration.cases / exploration.drawing_s,
+        "cases_per_minute": rate,
         "tally": tally.as_dict(),
-        "finding": None,
+        "finding": finding,
     }
-    summary = (
-        f"search: {exploration.cases} cases in {exploration.drawing_s:.0f} s "
-        f"({report['cases_per_minute']:.0f}/min), {tally.shrink_cases} more while shrinking; "
-        f"{exploration.seconds:.0f} s in all"
-    )
-    if exploration.finding is None:
-        console.print(f"{summary}; nothing flagged (worst ratio {tally.worst_ratio:.3g})")
-        console.print(f"report: {write_report(options.out, report)}")
-        return EXIT_CLEAN
-    report["finding"] = _found(options, judge, exploration, console)
-    console.print(summary)
-    console.print(f"report: {write_report(options.out, report)}")
-    return EXIT_FOUND
+    write_json(report, options.out / REPORT_FILE)
+    console.print(f"report: {options.out / REPORT_FILE}")
+    return EXIT_CLEAN if finding is None else EXIT_FOUND
 
 
-def _found(options: SearchOptions, judge: Judge, exploration: Exploration, console: Console) -> dict:
-    """Write and replay the reproducer of the finding, print what it says; its part of the report."""
-    finding = exploration.finding
-    assert finding is not None
+def _found(options: SearchOptions, judge: Judge, finding: Finding, console: Console) -> dict:
+    """Write and replay the reproducer of `finding`, print what it says; its part of the report."""
     judged = finding.verdict.checks[finding.check]
     path = reproducer.write(judge, finding, options.out, options.impl)
     dtype = finding.case.dtype
@@ -150,7 +146,7 @@ def _found(options: SearchOptions, judge: Judge, exploration: Exploration, conso
         path, options.adapter_class, options.kernel, options.options, options.policy, dtype, [finding.check]
     )
     dirty = reproducer.clean(path, options.kernel, options.policy, dtype)
-    command = replay_command(options, path, dtype)
+    command = replay_command(options, str(path), dtype)
     console.print(
         f"[bold red]FOUND[/] {finding.check} after {finding.found_s:.0f} s: ratio {judged.ratio:.3g} "
         f"(impl margin {judged.impl_margin:.3g} / nRMSE {judged.impl_nrmse:.3g} vs truth; the plain fp32 "
@@ -165,14 +161,10 @@ def _found(options: SearchOptions, judge: Judge, exploration: Exploration, conso
     for r in replayed:
         outcome = "holds" if r.passed else f"FAILS, verdict {r.verdict}"
         console.print(f"  replay by the suite: {r.check} {outcome}: {r.summary}")
-    if dirty:
-        console.print(
-            f"  [yellow]the built-in kda_impl fails {[r.check for r in dirty]} of the reproducer too[/]"
-        )
-    else:
-        console.print("  the built-in kda_impl passes every check of the reproducer")
+    fails = f"[yellow]the built-in kda_impl fails {[r.check for r in dirty]} of the reproducer too[/]"
+    console.print(f"  {fails}" if dirty else "  the built-in kda_impl passes every check of the reproducer")
     console.print(f"  reproducer: {path}\n  replay: {command}")
-    explain = ["python", "-m", "conformance", "diff", "--dumps", str(path), "--case", "search"]
+    explain = ["python", "-m", "conformance", "diff", "--dumps", str(path), "--case", CASE_ID]
     console.print(f"  explain: {shlex.join([*explain, '--dtype', dtype, '--impl', options.impl])}")
     return {
         "check": finding.check,

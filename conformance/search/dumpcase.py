@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.search.space import CaseInputs
+from conformance.search.space import CaseInputs, SearchCase, case_inputs
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig
 from kda_spec.dump_writer import DumpSetWriter, TruthBlock
@@ -49,20 +49,18 @@ KERNEL_PATHS = ("chunk", "fused_recurrent")
 
 
 def plain_pipeline(
-    hidden_states: np.ndarray,
-    inputs: CaseInputs,
+    hidden_states: np.ndarray,  # [T, hidden]
+    cu_seqlens: np.ndarray,  # [N+1]
+    initial_state: np.ndarray | None,  # [N, H, D, D]
     weights: Mapping[str, np.ndarray],
     config: KDAConfig,
     dtype: str,
 ) -> dict[str, np.ndarray]:
-    """The plain fp32 pipeline's layer results by dump name on `hidden_states` [T, hidden] (the case's, or
-    others) with the case's offsets and initial states; the bf16 run's rounding as the precision contract
-    rounds."""
+    """The plain fp32 pipeline's layer results by dump name on `hidden_states` (the case's, or others);
+    the bf16 run's rounding as the precision contract rounds."""
     rounded = bf16_contract_rounding if dtype == "bf16" else None
     x = run_hidden_states(hidden_states, dtype)
-    return layer_truth(
-        run_weights(weights, dtype), x, inputs.cu_seqlens, inputs.initial_state, config, np.float32, rounded
-    )
+    return layer_truth(run_weights(weights, dtype), x, cu_seqlens, initial_state, config, np.float32, rounded)
 
 
 def case_arrays(
@@ -70,11 +68,10 @@ def case_arrays(
 ) -> dict[str, np.ndarray]:
     """Every array of the case file of one run (`dtype`): the inputs, the plain fp32 pipeline's results
     (the reference) and their float64 truth. `weights` float32 by HF name."""
-    run_w, x = run_weights(weights, dtype), run_hidden_states(inputs.hidden_states, dtype)
-    cu, init = inputs.cu_seqlens, inputs.initial_state
-    reference = plain_pipeline(inputs.hidden_states, inputs, weights, config, dtype)
-    truth = layer_truth(run_w, x, cu, init, config)
-    arrays: dict[str, np.ndarray] = {"hidden_states": inputs.hidden_states, "cu_seqlens": cu}
+    x, cu, init = inputs.hidden_states, inputs.cu_seqlens, inputs.initial_state
+    reference = plain_pipeline(x, cu, init, weights, config, dtype)
+    truth = layer_truth(run_weights(weights, dtype), run_hidden_states(x, dtype), cu, init, config)
+    arrays: dict[str, np.ndarray] = {"hidden_states": x, "cu_seqlens": cu}
     if init is not None:
         arrays["initial_recurrent_state"] = init
     q, k = (l2_normalised(reference[name]) for name in ("q_after_conv", "k_after_conv"))
@@ -94,31 +91,29 @@ def case_arrays(
 
 def write_case_set(
     url: str,
-    arrays: dict[str, np.ndarray],
-    seq_lens: tuple[int, ...],
+    case: SearchCase,
     weights: Mapping[str, np.ndarray],
     config: KDAConfig,
-    *,
     weights_source: str,
-    seed: int,
     search: Mapping[str, Any],
     overwrite: bool = False,
 ) -> None:
-    """A dump set of one case (`CASE_ID`) at `url` (a folder or `memory://…`), written by
-    `kda_spec.dump_writer` through `kda_spec.storage` (a local folder staged and swapped in whole).
-    `search`: what the search says of the case (its fields, the check it failed), kept in the manifest
-    under `search`."""
-    case = fmt.CaseSpec(CASE_ID, seq_lens, initial_state="initial_recurrent_state" in arrays)
+    """`case` on `weights` (float32 by HF name) as a dump set of one case (`CASE_ID`) at `url` (a folder
+    or `memory://…`), written by `kda_spec.dump_writer` through `kda_spec.storage` (a local folder staged
+    and swapped in whole). The manifest's `search` block holds the case's fields and `search` (what the
+    search says of it: the check it failed)."""
+    arrays = case_arrays(case_inputs(case, weights, config), weights, config, case.dtype)
+    spec = fmt.CaseSpec(CASE_ID, case.seq_lens, initial_state="initial_recurrent_state" in arrays)
     with open_writer(url, overwrite=overwrite) as writer:
         dump_set = DumpSetWriter(writer)
         float32_weights = {name: np.asarray(w, np.float32) for name, w in weights.items()}
         dump_set.write_weights(float32_weights, weights_source)
-        dump_set.write_case(case, arrays, sorted_keys=True)
+        dump_set.write_case(spec, arrays, sorted_keys=True)
         dump_set.commit(
             config=config,
             reference=REFERENCE,
-            seed=seed,
+            seed=case.seed,
             generator="conformance.search",
-            truth=TruthBlock(IMPLEMENTATION, fmt.TRUTH_NAMES, intermediates_max_tokens=sum(seq_lens)),
-            search=search,
+            truth=TruthBlock(IMPLEMENTATION, fmt.TRUTH_NAMES, intermediates_max_tokens=case.tokens),
+            search={"case": case.as_dict(), **search},
         )

@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import fsspec
 import numpy as np
@@ -46,12 +46,12 @@ from conformance.adapters.guard import CallWatchdog, ImplementationFault
 from conformance.checks.catalogue import KERNEL_CHECKS, CheckSkipped, CheckSpec, truth_name
 from conformance.checks.runner import CheckRunner
 from conformance.checks.truth import NoTruth
-from conformance.dumps.reader import DumpSet
+from conformance.dumps.reader import CaseData, DumpSet
 from conformance.judging.attribution import TruthError, error_vs_truth, relative_criteria
 from conformance.judging.tolerances import RelativeLimits, TolerancePolicy
 from conformance.judging.verdict import decide
-from conformance.search.dumpcase import CASE_ID, case_arrays, plain_pipeline, write_case_set
-from conformance.search.space import SearchCase, case_inputs
+from conformance.search.dumpcase import CASE_ID, plain_pipeline, write_case_set
+from conformance.search.space import SearchCase
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig
 
@@ -128,48 +128,34 @@ def judgement(
     tolerance = policy.tolerance(check, dtype)
     impl = error_vs_truth(actual, truth, tolerance)
     errors = [error_vs_truth(base, truth, tolerance) for base in bases]
-    base = TruthError(
-        margin=max(e.margin for e in errors),
-        nrmse=max(e.nrmse for e in errors),
-        max_abs=max(e.max_abs for e in errors),
-    )
+    base = TruthError(*map(max, zip(*(dataclasses.astuple(e) for e in errors))))  # each field's largest
     ratio = decide("relative", relative_criteria(impl, base, limits)).ratio()  # the suite's relative gate
     return CheckJudgement(check, ratio, impl.margin, impl.nrmse, base.margin, base.nrmse)
 
 
+@dataclasses.dataclass
 class Judge:
     """Judges cases on one implementation: `adapter_class` with `kernel` and `options`, one adapter per
     (weight set, dtype), each built from its weight set (`weight_sets`: name → float32 weights by HF
     name) the first time a case needs it."""
 
-    def __init__(
-        self,
-        adapter_class: type[KDAAdapter],
-        kernel: str,
-        options: Mapping[str, str],
-        policy: TolerancePolicy,
-        config: KDAConfig,
-        weight_sets: Mapping[str, Mapping[str, np.ndarray]],
-        weight_sources: Mapping[str, str],
-        watchdog: CallWatchdog | None = None,
-    ):
-        self.adapter_class, self.kernel, self.options = adapter_class, kernel, dict(options)
-        self.policy, self.config, self.watchdog = policy, config, watchdog
-        self.weight_sets, self.weight_sources = weight_sets, weight_sources
-        self._adapters: dict[tuple[str, str], KDAAdapter] = {}
-        self._ids = itertools.count()
+    adapter_class: type[KDAAdapter]
+    kernel: str
+    options: Mapping[str, str]
+    policy: TolerancePolicy
+    config: KDAConfig
+    weight_sets: Mapping[str, Mapping[str, np.ndarray]]
+    weight_sources: Mapping[str, str]
+    watchdog: CallWatchdog | None = None
+    _adapters: dict[tuple[str, str], KDAAdapter] = dataclasses.field(default_factory=dict, init=False)
+    _ids: Iterator[int] = dataclasses.field(default_factory=itertools.count, init=False)
 
     def write(
         self, case: SearchCase, url: str, search: Mapping[str, object], overwrite: bool = False
     ) -> None:
         """The case as a one-case dump set at `url` (`dumpcase.write_case_set`)."""
-        weights = self.weight_sets[case.weights]
-        arrays = case_arrays(case_inputs(case, weights, self.config), weights, self.config, case.dtype)
-        write_case_set(
-            url, arrays, case.seq_lens, weights, self.config,
-            weights_source=self.weight_sources[case.weights], seed=case.seed,
-            search={"case": case.as_dict(), **search}, overwrite=overwrite,
-        )  # fmt: skip
+        weights, source = self.weight_sets[case.weights], self.weight_sources[case.weights]
+        write_case_set(url, case, weights, self.config, source, search, overwrite)
 
     def runner(self, url: str, case: SearchCase) -> CheckRunner:
         """A `CheckRunner` on the set at `url`, with the implementation's adapter for the case's weight set
@@ -184,15 +170,14 @@ class Judge:
             self._adapters[key] = runner.calls.adapter(case.dtype)
         return runner
 
-    def perturbed_pipeline(self, case: SearchCase) -> dict[str, np.ndarray]:
-        """The plain fp32 pipeline's layer results on the case's hidden states one ulp off (module
-        docstring), by dump name."""
-        weights = self.weight_sets[case.weights]
-        inputs = case_inputs(case, weights, self.config)
-        x = inputs.hidden_states
+    def perturbed_pipeline(self, case: SearchCase, data: CaseData) -> dict[str, np.ndarray]:
+        """The plain fp32 pipeline's layer results on the case's hidden states (`data`, as written) one
+        ulp off (module docstring), by dump name."""
+        x = data.hidden_states
         up = np.random.default_rng([case.seed, PERTURBATION_STREAM]).random(x.shape) < 0.5
         moved = np.nextafter(x, np.where(up, np.float32(np.inf), np.float32(-np.inf)))
-        return plain_pipeline(moved, inputs, weights, self.config, case.dtype)
+        weights = self.weight_sets[case.weights]
+        return plain_pipeline(moved, data.cu_seqlens, data.initial_state, weights, self.config, case.dtype)
 
     def judge(self, case: SearchCase) -> CaseVerdict:
         """Every check of `CHECKS` on `case` (module docstring)."""
@@ -203,7 +188,7 @@ class Judge:
             runner = self.runner(url, case)
             data = runner.case(CASE_ID)
             checks, skipped = {}, {}
-            perturbed = self.perturbed_pipeline(case) if case.dtype == "fp32" else None
+            perturbed = self.perturbed_pipeline(case, data) if case.dtype == "fp32" else None
             for check in CHECKS:
                 spec = CheckSpec(CASE_ID, case.dtype, check)
                 try:

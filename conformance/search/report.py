@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from pathlib import Path
+import time
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from conformance.reports.json_file import write_json
 from conformance.search.judge import CHECKS, HEADROOM, CaseVerdict
 from conformance.search.space import regimes
 
@@ -19,23 +18,18 @@ REPORT_FILE = "search.json"
 
 
 @dataclasses.dataclass
-class Worst:
-    """The largest ratio a check reached, and on which case."""
-
-    ratio: float = 0.0
-    case: str = ""
-
-
-@dataclasses.dataclass
 class Tally:
-    """Running counts over the judged cases (the shrinking's counted apart)."""
+    """Running counts over the judged cases (the shrinking's counted apart); `worst`: check → the largest
+    ratio it reached and the case it was on."""
 
     cases: int = 0
     shrink_cases: int = 0
     flagged_cases: int = 0
     case_seconds: float = 0.0
     per_regime: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    worst: dict[str, Worst] = dataclasses.field(default_factory=lambda: {check: Worst() for check in CHECKS})
+    worst: dict[str, tuple[float, str]] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(CHECKS, (0.0, ""))
+    )
     judged: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     skipped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
@@ -49,14 +43,13 @@ class Tally:
         self.per_regime.update(regimes(verdict.case))
         for check, judgement in verdict.checks.items():
             self.judged[check] += 1
-            worst = self.worst[check]
-            if not judgement.ratio <= worst.ratio:  # NaN and inf count as the worst
-                self.worst[check] = Worst(judgement.ratio, verdict.case.describe())
+            if not judgement.ratio <= self.worst[check][0]:  # NaN and inf count as the worst
+                self.worst[check] = (judgement.ratio, verdict.case.describe())
         self.skipped.update(verdict.skipped.keys())
 
     @property
     def worst_ratio(self) -> float:
-        return max((worst.ratio for worst in self.worst.values()), default=0.0)
+        return max((ratio for ratio, _ in self.worst.values()), default=0.0)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -69,49 +62,37 @@ class Tally:
                 check: {
                     "judged": self.judged[check],
                     "skipped": self.skipped[check],
-                    "worst_ratio": worst.ratio,
-                    "worst_case": worst.case,
+                    "worst_ratio": ratio,
+                    "worst_case": case,
                 }
-                for check, worst in self.worst.items()
+                for check, (ratio, case) in self.worst.items()
             },
         }
 
 
-class SearchProgress:
-    """A progress bar over the time budget, with the cases judged and the worst ratio so far; a no-op
-    when `enabled` is False."""
+class SearchProgress(Progress):
+    """A progress bar over the time budget, with the cases judged and the worst ratio so far; nothing
+    shown when `enabled` is False."""
 
     def __init__(self, budget_s: float, console: Console, *, enabled: bool):
-        self.budget_s, self.enabled = budget_s, enabled
-        self.progress = Progress(
+        super().__init__(
             TextColumn("[bold]search[/]"),
             BarColumn(),
             TextColumn("{task.fields[cases]} cases, worst ratio {task.fields[worst]}, {task.fields[status]}"),
             TimeElapsedColumn(),
             console=console,
-            transient=False,
+            disable=not enabled,
         )
-        self.task = self.progress.add_task("search", total=budget_s, cases=0, worst="-", status="searching")
+        self.budget_s, self.started = budget_s, time.perf_counter()
+        self.task = self.add_task("search", total=budget_s, cases=0, worst="-", status="searching")
 
-    def __enter__(self) -> SearchProgress:
-        if self.enabled:
-            self.progress.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        if self.enabled:
-            self.progress.stop()
-
-    def update(self, tally: Tally, elapsed_s: float, shrinking: bool) -> None:
-        if not self.enabled:
-            return
-        status = f"shrinking ({tally.shrink_cases} tried)" if shrinking else "searching"
-        self.progress.update(
+    def show(self, tally: Tally, shrinking: bool) -> None:
+        self.update(
             self.task,
-            completed=min(elapsed_s, self.budget_s),
+            completed=min(time.perf_counter() - self.started, self.budget_s),
             cases=tally.cases,
             worst=f"{tally.worst_ratio:.3g}",
-            status=status,
+            status=f"shrinking ({tally.shrink_cases} tried)" if shrinking else "searching",
         )
 
 
@@ -127,25 +108,12 @@ def regime_table(tally: Tally) -> Table:
 def check_table(tally: Tally) -> Table:
     title = "worst relative ratio per check: impl vs truth over the relative gate's limit"
     table = Table(title=f"{title}; flagged above {HEADROOM:g}")
-    for column, justify in (
-        ("check", "left"),
-        ("judged", "right"),
-        ("skipped", "right"),
-        ("worst ratio", "right"),
-    ):
-        table.add_column(column, justify=justify, no_wrap=True)
+    table.add_column("check", no_wrap=True)
+    for column in ("judged", "skipped", "worst ratio"):
+        table.add_column(column, justify="right", no_wrap=True)
     table.add_column("on the case", no_wrap=True)
-    for check, worst in tally.worst.items():
-        ratio = f"{worst.ratio:.3g}" if tally.judged[check] else "-"
-        style = "bold red" if not worst.ratio <= HEADROOM else None
-        table.add_row(
-            check, str(tally.judged[check]), str(tally.skipped[check]), ratio, worst.case, style=style
-        )
+    for check, (ratio, case) in tally.worst.items():
+        shown = f"{ratio:.3g}" if tally.judged[check] else "-"
+        style = "bold red" if not ratio <= HEADROOM else None
+        table.add_row(check, str(tally.judged[check]), str(tally.skipped[check]), shown, case, style=style)
     return table
-
-
-def write_report(out_dir: Path, report: dict[str, Any]) -> Path:
-    """`search.json` in `out_dir`."""
-    path = out_dir / REPORT_FILE
-    write_json(report, path)
-    return path

@@ -13,8 +13,6 @@ serving path (the search cannot answer).
 from __future__ import annotations
 
 import random
-import shlex
-import time
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, find, settings
@@ -28,7 +26,8 @@ from conformance.checks.serving_scenarios import Scenario, write_scenarios
 from conformance.dumps.reader import DumpSet
 from conformance.reports.check_record import summary
 from conformance.reports.json_file import write_json
-from conformance.search.command import SearchOptions
+from conformance.search.command import SearchOptions, replay_command
+from conformance.search.explore import Budget
 from conformance.search.serving_space import schedule_strategy
 
 EXIT_CLEAN, EXIT_FOUND, EXIT_CANNOT_ANSWER = 0, 1, 2
@@ -43,20 +42,20 @@ class CannotAnswer(Exception):
 class ScheduleJudge:
     """Whether a schedule fails a serving check, and the first failure of each schedule that does."""
 
-    def __init__(self, options: SearchOptions, deadline: float):
+    def __init__(self, options: SearchOptions, clock: Budget):
         dumps = DumpSet(options.dumps)
         self.runner = CheckRunner(
             dumps, options.adapter_class, options.kernel, options.policy, options.options, options.watchdog
         )
-        self.dtypes, self.deadline = options.dtypes, deadline
+        self.dtypes, self.clock = options.dtypes, clock
         self.tried, self.failures = 0, {}
 
     def fails(self, scenario: Scenario) -> bool:
-        """True when a serving check of `scenario` fails or the implementation faults on it; past the
-        deadline every schedule counts as passing (the search and the shrinking stop)."""
+        """True when a serving check of `scenario` fails or the implementation faults on it; once the
+        clock is spent every schedule counts as passing (the search and the shrinking stop)."""
         if scenario in self.failures:  # hypothesis replays what it found
             return True
-        if time.monotonic() > self.deadline or not scenario.forwards:
+        if self.clock.spent() or not scenario.forwards:
             return False
         self.tried += 1
         serving = ServingChecks(self.runner, [scenario], "searched")
@@ -68,47 +67,67 @@ class ScheduleJudge:
                     raise CannotAnswer(str(skip)) from None
                 continue  # a check this schedule does not give (no slot outside a batch)
             except ImplementationFault as fault:
-                self.failures[scenario] = f"{spec.id}: {fault.message}"
-                return True
-            if not comparison.passed:
-                self.failures[scenario] = f"{spec.id}: {summary(comparison)}"
-                return True
+                failure = fault.message
+            else:
+                if comparison.passed:
+                    continue
+                failure = summary(comparison)
+            self.failures[scenario] = f"{spec.id}: {failure}"
+            self.clock.found()
+            return True
         return False
 
 
 def run_serving_search(options: SearchOptions) -> int:
     """Search, shrink, write; the exit status (module docstring)."""
-    started = time.monotonic()
+    clock = Budget(options.budget_s, options.shrink_budget_s)
     options.out.mkdir(parents=True, exist_ok=True)
-    judge = ScheduleJudge(options, started + options.budget_s)
+    judge = ScheduleJudge(options, clock)
     found: Scenario | None = None
+    cannot_answer: str | None = None
     try:
-        found = _search(judge, options, started)
+        found = _search(judge, options)
     except CannotAnswer as reason:
+        cannot_answer = str(reason)
         print(f"nothing searched: {reason}")
-        _write_report(options, judge, None, started, str(reason))
+    replay = replay_command(
+        options, str(options.dumps), ",".join(options.dtypes),
+        "--scenarios", str(options.out / SCENARIO_FILE), "--", "-k", "serving",
+    )  # fmt: skip
+    report: dict[str, Any] = {
+        "space": "serving",
+        "impl": options.impl,
+        "dumps": options.dumps,
+        "dtypes": list(options.dtypes),
+        "seed": options.seed,
+        "budget_s": options.budget_s,
+        "duration_s": round(clock.elapsed(), 1),
+        "schedules_tried": judge.tried,
+        "cannot_answer": cannot_answer,
+        "found": None,
+    }
+    if found is not None:
+        report["found"] = {
+            "failure": judge.failures[found],
+            "size": _size(found),
+            "scenario_file": SCENARIO_FILE,
+            "replay": replay,
+            "scenario": found.as_dict(),
+        }
+    write_json(report, options.out / REPORT_FILE)
+    if cannot_answer is not None:
         return EXIT_CANNOT_ANSWER
-    _write_report(options, judge, found, started, None)
     if found is None:
-        print(f"serving search: {judge.tried} schedules, none failed ({time.monotonic() - started:.0f} s)")
+        print(f"serving search: {judge.tried} schedules, none failed ({clock.elapsed():.0f} s)")
         return EXIT_CLEAN
     write_scenarios([found], options.out / SCENARIO_FILE)
     print(f"serving search: failing schedule after {judge.tried} schedules: {judge.failures[found]}")
-    print(f"shrunk to {_size(found)}; replay: {replay_command(options)}")
+    print(f"shrunk to {_size(found)}; replay: {replay}")
     return EXIT_FOUND
 
 
-def _search(judge: ScheduleJudge, options: SearchOptions, started: float) -> Scenario | None:
+def _search(judge: ScheduleJudge, options: SearchOptions) -> Scenario | None:
     """hypothesis' `find`: draws until `judge.fails`, then shrinks within the shrink budget."""
-    found_at: list[float] = []
-
-    def condition(scenario: Scenario) -> bool:
-        failed = judge.fails(scenario)
-        if failed and not found_at:
-            found_at.append(time.monotonic())
-            judge.deadline = found_at[0] + options.shrink_budget_s
-        return failed
-
     search_settings = settings(
         max_examples=10_000,
         deadline=None,
@@ -119,7 +138,7 @@ def _search(judge: ScheduleJudge, options: SearchOptions, started: float) -> Sce
     try:
         return find(
             schedule_strategy(options.max_tokens),
-            condition,
+            judge.fails,
             settings=search_settings,
             random=random.Random(options.seed),
         )
@@ -133,42 +152,3 @@ def _size(scenario: Scenario) -> str:
         f"{len(tokens)} requests, {len(scenario.forwards)} forwards, {sum(tokens.values())} tokens, "
         f"{scenario.num_slots} slots"
     )
-
-
-def replay_command(options: SearchOptions) -> str:
-    words = ["python", "-m", "conformance", "run", "--dumps", options.dumps, "--impl", options.impl]
-    words += ["--kernel", options.kernel, "--dtypes", ",".join(options.dtypes)]
-    for key, value in options.options.items():
-        words += ["--impl-option", f"{key}={value}"]
-    words += ["--scenarios", str(options.out / SCENARIO_FILE), "--", "-k", "serving"]
-    return shlex.join(words)
-
-
-def _write_report(
-    options: SearchOptions,
-    judge: ScheduleJudge,
-    found: Scenario | None,
-    started: float,
-    cannot_answer: str | None,
-) -> None:
-    report: dict[str, Any] = {
-        "space": "serving",
-        "impl": options.impl,
-        "dumps": options.dumps,
-        "dtypes": list(options.dtypes),
-        "seed": options.seed,
-        "budget_s": options.budget_s,
-        "duration_s": round(time.monotonic() - started, 1),
-        "schedules_tried": judge.tried,
-        "cannot_answer": cannot_answer,
-        "found": None,
-    }
-    if found is not None:
-        report["found"] = {
-            "failure": judge.failures[found],
-            "size": _size(found),
-            "scenario_file": SCENARIO_FILE,
-            "replay": replay_command(options),
-            "scenario": found.as_dict(),
-        }
-    write_json(report, options.out / REPORT_FILE)
