@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from dump_gen.errors import DumpError
 from dump_gen.inputs import CaseInputs, case_inputs
-from dump_gen.kernels import PATHS, KernelBackend, kernel_backend
+from dump_gen.kernels import PATHS, KernelBackend, KernelCall, kernel_backend
 from dump_gen.precision import precision_block
 from dump_gen.references.base import LayerRunner, Reference
 from kda_spec.config import KDAConfig
@@ -91,10 +91,11 @@ def run_dtype(
     with torch.no_grad():
         layer = runner.run(hidden, inputs, state)
         results = {OUTPUT_KEY: layer.out}
+        call = KernelCall(
+            **layer.kernel_inputs, spans=inputs.spans, packed=inputs.packed, initial_state=state
+        )
         for path in PATHS:
-            kernel = kernels.run(
-                path, **layer.kernel_inputs, spans=inputs.spans, packed=inputs.packed, initial_state=state
-            )
+            kernel = kernels.run(path, call)
             results[f"o_kda_{path}"] = kernel.o[0]
             results[f"recurrent_state_{path}"] = kernel.final_state
     results.update(layer.intermediates)

@@ -29,22 +29,24 @@ class KernelResult:
     final_state: torch.Tensor  # [N, H, D, D] float32
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """What one call of a kernel path is fed: a packed batch of N sequences."""
+
+    q: torch.Tensor  # [1, T, H, D], before the L2 norm
+    k: torch.Tensor  # [1, T, H, D], before the L2 norm
+    v: torch.Tensor  # [1, T, H, D]
+    g: torch.Tensor  # [1, T, H, D] log-space decay
+    beta: torch.Tensor  # [1, T, H]
+    spans: list[tuple[int, int]]  # [start, end) of each of the N sequences
+    packed: bool  # hand the kernel cu_seqlens (the varlen cases)
+    initial_state: torch.Tensor | None  # [N, H, D, D] float32
+
+
 class KernelBackend(Protocol):
     name: str
 
-    def run(
-        self,
-        path: str,
-        q: torch.Tensor,  # [1, T, H, D], before the L2 norm
-        k: torch.Tensor,  # [1, T, H, D], before the L2 norm
-        v: torch.Tensor,  # [1, T, H, D]
-        g: torch.Tensor,  # [1, T, H, D] log-space decay
-        beta: torch.Tensor,  # [1, T, H]
-        *,
-        spans: list[tuple[int, int]],  # [start, end) of each of the N sequences
-        packed: bool,  # hand the kernel cu_seqlens (the varlen cases)
-        initial_state: torch.Tensor | None,  # [N, H, D, D] float32
-    ) -> KernelResult: ...
+    def run(self, path: str, call: KernelCall) -> KernelResult: ...
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -58,26 +60,15 @@ class NaiveKernels:
 
     name = "fla.ops.kda.naive (naive_chunk_kda, naive_recurrent_kda)"
 
-    def run(
-        self,
-        path: str,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        *,
-        spans: list[tuple[int, int]],
-        packed: bool,
-        initial_state: torch.Tensor | None,
-    ) -> KernelResult:
+    def run(self, path: str, call: KernelCall) -> KernelResult:
         from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
 
         outputs, states = [], []
-        for index, (start, end) in enumerate(spans):
-            args = [l2norm(q[:, start:end]), l2norm(k[:, start:end]), v[:, start:end], g[:, start:end]]
-            seq_beta = beta[:, start:end]
-            state = None if initial_state is None else initial_state[index : index + 1]
+        for index, (start, end) in enumerate(call.spans):
+            rows = slice(start, end)
+            args = [l2norm(call.q[:, rows]), l2norm(call.k[:, rows]), call.v[:, rows], call.g[:, rows]]
+            seq_beta = call.beta[:, rows]
+            state = None if call.initial_state is None else call.initial_state[index : index + 1]
             if path == "chunk":
                 # naive_chunk_kda takes whole chunks: pad the tail with q = k = v = g = beta = 0, which
                 # leaves the state exactly as it was, and cut the padded outputs off.
@@ -115,17 +106,9 @@ def naive_chunk_kda_call(
             f"naive_chunk_kda_call takes one packed batch [1, T, H, D], got q of shape {list(q.shape)}"
         )
     bounds = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
-    result = NaiveKernels().run(
-        "chunk",
-        q,
-        k,
-        v,
-        g,
-        beta,
-        spans=list(itertools.pairwise(bounds)),
-        packed=cu_seqlens is not None,
-        initial_state=initial_state,
-    )
+    spans = list(itertools.pairwise(bounds))
+    call = KernelCall(q, k, v, g, beta, spans, packed=cu_seqlens is not None, initial_state=initial_state)
+    result = NaiveKernels().run("chunk", call)
     return result.o, result.final_state if output_final_state else None
 
 
@@ -134,33 +117,21 @@ class TritonKernels:
 
     name = "fla.ops.kda (chunk_kda, fused_recurrent_kda)"
 
-    def run(
-        self,
-        path: str,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        *,
-        spans: list[tuple[int, int]],
-        packed: bool,
-        initial_state: torch.Tensor | None,
-    ) -> KernelResult:
+    def run(self, path: str, call: KernelCall) -> KernelResult:
         from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
         kernel = chunk_kda if path == "chunk" else fused_recurrent_kda
         cu_seqlens = None
-        if packed:
-            bounds = [start for start, _ in spans] + [spans[-1][1]]
-            cu_seqlens = torch.tensor(bounds, dtype=torch.long, device=q.device)
+        if call.packed:
+            bounds = [start for start, _ in call.spans] + [call.spans[-1][1]]
+            cu_seqlens = torch.tensor(bounds, dtype=torch.long, device=call.q.device)
         o, final = kernel(
-            q=q,
-            k=k,
-            v=v,
-            g=g,
-            beta=beta,
-            initial_state=initial_state,
+            call.q,
+            call.k,
+            call.v,
+            call.g,
+            call.beta,
+            initial_state=call.initial_state,
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=cu_seqlens,

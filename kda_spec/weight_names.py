@@ -10,6 +10,18 @@ from __future__ import annotations
 from kda_spec.config import KDAConfig
 
 LAYER_PREFIX = "model.layers.{layer}.self_attn."
+# The layer's Linear projections, each `<name>.weight` (torch layout).
+PROJECTIONS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "f_a_proj",
+    "f_b_proj",
+    "b_proj",
+    "g_a_proj",
+    "g_b_proj",
+    "o_proj",
+)
 CONV_NAMES = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
 FP32_WEIGHTS = frozenset({"A_log", "dt_bias"})  # kept fp32 in a bf16 run
 
@@ -21,13 +33,8 @@ def layer_prefix(layer_idx: int) -> str:
 
 def hf_weight_shapes(config: KDAConfig) -> dict[str, tuple[int, ...]]:
     """Every HF weight name of one KDA layer and its shape (torch layout)."""
-    hidden, heads, dim, width, proj = (
-        config.hidden_size,
-        config.num_heads,
-        config.head_dim,
-        config.conv_size,
-        config.proj_dim,
-    )
+    hidden, heads, dim, proj = config.hidden_size, config.num_heads, config.head_dim, config.proj_dim
+    width = config.conv_size
     return {
         "q_proj.weight": (proj, hidden),
         "k_proj.weight": (proj, hidden),

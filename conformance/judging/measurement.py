@@ -64,17 +64,17 @@ class Measurement:
     """
 
     shape: tuple[int, ...]
-    max_abs: float
-    max_rel: float
-    n_outside: int
-    share_outside: float
-    margin: float
-    nrmse: float
-    nonfinite: int
-    worst: dict[str, Any]
     tolerance: Tolerance
-    rfc: dict[str, Any]
     gating: MinTokensRule
+    max_abs: float = math.nan
+    max_rel: float = math.nan
+    n_outside: int = 0
+    share_outside: float = math.nan
+    margin: float = math.nan
+    nrmse: float = math.nan
+    nonfinite: int = 0
+    worst: dict[str, Any] = dataclasses.field(default_factory=dict)
+    rfc: dict[str, Any] = dataclasses.field(default_factory=dict)
     gated_nrmse: float | None = None
     unusable: str | None = None
 
@@ -220,19 +220,5 @@ def measure(
 
 
 def _unusable(shape: tuple[int, ...], tolerance: Tolerance, reason: str) -> Measurement:
-    nan = float("nan")
-    return Measurement(
-        shape=tuple(shape),
-        max_abs=nan,
-        max_rel=nan,
-        n_outside=0,
-        share_outside=nan,
-        margin=nan,
-        nrmse=nan,
-        nonfinite=0,
-        worst={},
-        tolerance=tolerance,
-        rfc={},
-        gating=MinTokensRule(np.zeros(shape[:1] or (0,), bool), 0, 0),
-        unusable=reason,
-    )
+    gating = MinTokensRule(np.zeros(shape[:1] or (0,), bool), 0, 0)
+    return Measurement(tuple(shape), tolerance, gating, unusable=reason)

@@ -145,7 +145,7 @@ def _found(options: SearchOptions, judge: Judge, finding: Finding, console: Cons
     replayed = reproducer.replay(
         path, options.adapter_class, options.kernel, options.options, options.policy, dtype, [finding.check]
     )
-    dirty = reproducer.clean(path, options.kernel, options.policy, dtype)
+    dirty = reproducer.builtin_failures(path, options.kernel, options.policy, dtype)
     command = replay_command(options, str(path), dtype)
     console.print(
         f"[bold red]FOUND[/] {finding.check} after {finding.found_s:.0f} s: ratio {judged.ratio:.3g} "

@@ -2,7 +2,7 @@
 
 `write` puts the case in `<out>/reproducer/` (`dumpcase.py`: the plain fp32 pipeline its reference,
 the float64 layer its truth). `replay` runs a check of it through a fresh `CheckRunner`, the adapter
-built from the set's own weights as `conformance run --dumps <out>/reproducer` builds it; `clean`
+built from the set's own weights as `conformance run --dumps <out>/reproducer` builds it; `builtin_failures`
 runs every check `conformance run` makes of it on the built-in `kda_impl`: a reproducer that
 implementation passes blames only the implementation under test.
 """
@@ -75,7 +75,7 @@ def replay(
     return replays
 
 
-def clean(path: Path, kernel: str, policy: TolerancePolicy, dtype: str) -> list[Replay]:
+def builtin_failures(path: Path, kernel: str, policy: TolerancePolicy, dtype: str) -> list[Replay]:
     """The checks of the reproducer the built-in `kda_impl` fails (empty: a clean reproducer)."""
     builtin = load_adapter_class("kda_impl")
     return [r for r in replay(path, builtin, kernel, {}, policy, dtype) if not r.passed]

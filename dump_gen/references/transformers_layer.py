@@ -22,7 +22,7 @@ import torch
 
 from dump_gen.capture import KernelRecorder, NormCall, recording_norm, replaced
 from dump_gen.inputs import CaseInputs
-from dump_gen.kernels import PATHS, KernelBackend, kernel_backend
+from dump_gen.kernels import PATHS, KernelBackend, KernelCall, kernel_backend
 from dump_gen.references.base import LayerRun, assemble_run, device_description, load_layer, package_versions
 from dump_gen.references.layout import check_layout, module_layout
 from dump_gen.references.transformers_names import hf_to_transformers, transformers_to_hf
@@ -131,10 +131,8 @@ def _layer_call(kernels: KernelBackend, path: str) -> Callable[..., Any]:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not use_qk_l2norm_in_kernel:
             raise RuntimeError(f"the layer called its {path} kernel without use_qk_l2norm_in_kernel")
-        tokens = query.shape[1]
-        result = kernels.run(
-            path, query, key, value, g, beta, spans=[(0, tokens)], packed=False, initial_state=initial_state
-        )
+        call = KernelCall(query, key, value, g, beta, [(0, query.shape[1])], False, initial_state)
+        result = kernels.run(path, call)  # one sequence: not packed
         return result.o, result.final_state if output_final_state else None
 
     return kernel

@@ -19,19 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 from kda_spec.config import KDAConfig
-from kda_spec.weight_names import CONV_NAMES, hf_weight_shapes
+from kda_spec.weight_names import CONV_NAMES, PROJECTIONS, hf_weight_shapes
 
-PROJECTIONS = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "f_a_proj",
-    "f_b_proj",
-    "b_proj",
-    "g_a_proj",
-    "g_b_proj",
-    "o_proj",
-)
 UNCHANGED = ("A_log", "dt_bias", "o_norm.weight")
 
 

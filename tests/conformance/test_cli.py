@@ -203,34 +203,11 @@ def test_diff_names_the_first_stage_out_of_tolerance(
     synthetic_dumps: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     png = tmp_path / "g.png"
-    code = main(
-        [
-            "diff",
-            "--dumps",
-            str(synthetic_dumps),
-            "--case",
-            "varlen_initstate",
-            "--impl",
-            "tests.conformance.broken_adapters:NumpyFlippedGate",
-            "--png",
-            str(png),
-        ]
-    )
+    diff = ["diff", "--dumps", str(synthetic_dumps), "--case", "varlen_initstate"]
+    code = main([*diff, "--impl", "tests.conformance.broken_adapters:NumpyFlippedGate", "--png", str(png)])
     out = capsys.readouterr().out
     assert code == 1
     assert "first out of tolerance: gate/beta (g):" in out
     assert png.read_bytes().startswith(b"\x89PNG")
-    code = main(
-        [
-            "diff",
-            "--dumps",
-            str(synthetic_dumps),
-            "--case",
-            "varlen_initstate",
-            "--dtype",
-            "bf16",
-            "--impl",
-            NUMPY_IMPL,
-        ]
-    )
+    code = main([*diff, "--dtype", "bf16", "--impl", NUMPY_IMPL])
     assert code == 0 and "every stage compared holds" in capsys.readouterr().out

@@ -12,7 +12,6 @@ import pytest
 
 from examples.sglang_jax.adapter import SglangJaxAdapter, import_sgl_jax
 from examples.sglang_jax.layout import (
-    PROJECTIONS,
     check_state,
     conv_state_to_dump,
     seq_lens_of,
@@ -20,6 +19,7 @@ from examples.sglang_jax.layout import (
 )
 from kda_spec.config import get_preset
 from kda_spec.synthetic_weights import synthetic_weights
+from kda_spec.weight_names import PROJECTIONS
 
 CONFIG = get_preset("mini").replace(hidden_size=32, head_dim=8)
 

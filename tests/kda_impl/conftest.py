@@ -24,7 +24,7 @@ from kda_impl.models.kimi_linear import jit_forward
 from kda_impl.weights import layer_from_hf_weights
 from kda_spec.config import KDAConfig, get_preset
 from kda_spec.synthetic_weights import synthetic_weights
-from tests.kda_impl.kernel_inputs import SEED_ENV
+from tests.kda_impl.kernel_inputs import SEED_ENV, seeded_rng
 
 TOKEN_BUCKET = 256  # every test batch has at most this many tokens
 NUM_SLOTS = 16
@@ -138,6 +138,19 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     seeds = [value for name, value in item.user_properties if name == SEED_ENV]
     if report.failed and seeds:
         report.sections.append((SEED_ENV, f"replay with {SEED_ENV}={seeds[0]} (and the same test id)"))
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> np.random.Generator:
+    """The test's seeded generator (`kernel_inputs.seeded_rng`)."""
+    return seeded_rng(request)
+
+
+@pytest.fixture
+def fla() -> Any:
+    """fla-core's naive torch kernels (`kernel_inputs.fla_reference` uses them); skips without them."""
+    pytest.importorskip("torch")
+    return pytest.importorskip("fla.ops.kda.naive")
 
 
 @pytest.fixture(scope="session")

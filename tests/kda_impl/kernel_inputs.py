@@ -124,6 +124,26 @@ def run_kernel(kernel, inputs: dict[str, np.ndarray], **kwargs) -> tuple[np.ndar
     return np.asarray(o), np.asarray(state)
 
 
+def traces_over_batches(chunk_kda, inputs: dict[str, np.ndarray], batches: list[list[int]]) -> list[tuple]:
+    """The `cu_seqlens` shapes jit traces `chunk_kda` with over `inputs` cut into each of `batches` (the
+    sequence lengths of one packed batch); one entry per trace, none when a compiled call is reused."""
+    import jax
+    import jax.numpy as jnp
+
+    traces = []
+
+    def traced(*args, cu_seqlens):
+        traces.append(cu_seqlens.shape)
+        return chunk_kda(*args, cu_seqlens=cu_seqlens, output_final_state=True)
+
+    kernel = jax.jit(traced)
+    args = [jnp.asarray(inputs[name]) for name in ("q", "k", "v", "g", "beta")]
+    for lengths in batches:
+        cu_seqlens = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+        jax.block_until_ready(kernel(*args, cu_seqlens=cu_seqlens))
+    return traces
+
+
 def with_full_resets(
     inputs: dict[str, np.ndarray], rng: np.random.Generator, tokens: list[int], fraction: float = 0.02
 ) -> dict[str, np.ndarray]:

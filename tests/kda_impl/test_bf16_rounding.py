@@ -26,6 +26,7 @@ from kda_impl.weights import layer_from_hf_weights
 from kda_spec.config import get_preset
 from kda_spec.synthetic_weights import synthetic_weights
 from kda_spec.truth import delta_rule
+from kda_spec.weight_names import PROJECTIONS
 
 TOKENS = 64
 MATCHING = 0.995  # share of elements that must match the table's derivation
@@ -83,8 +84,7 @@ def _parameters(layer: KimiDeltaAttention) -> dict[str, np.ndarray]:
     def value(param: jax.Array) -> np.ndarray:
         return np.asarray(param[...].astype(jnp.float32), np.float64)
 
-    names = ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj")
-    params = {name: value(getattr(layer, name).kernel) for name in names}
+    params = {name: value(getattr(layer, name).kernel) for name in PROJECTIONS}
     params.update({name: value(getattr(layer, name)) for name in ("q_conv1d", "k_conv1d", "v_conv1d")})
     params.update(A_log=value(layer.A_log), dt_bias=value(layer.dt_bias), o_norm=value(layer.o_norm.weight))
     return params

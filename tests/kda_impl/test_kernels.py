@@ -24,22 +24,11 @@ from tests.kda_impl.kernel_inputs import (
     run_kernel,
     seed_from_env,
     seeded_rng,
+    traces_over_batches,
     with_full_resets,
 )
 
 FP32 = {"atol": 1e-5, "rtol": 1e-5}
-
-
-@pytest.fixture
-def rng(request) -> np.random.Generator:
-    return seeded_rng(request)
-
-
-@pytest.fixture
-def fla():
-    """fla-core's torch references (`kernel_inputs.fla_reference`); skips without them."""
-    pytest.importorskip("torch")
-    return pytest.importorskip("fla.ops.kda.naive")
 
 
 # The plain-JAX kernels, and the chunk form's reference in float32 (held to fla and to the same argument
@@ -183,19 +172,8 @@ def test_full_reset_g_minus_inf_matches_the_token_recurrence(rng):
 
 def test_jit_compiles_once_per_shape(rng):
     """New sequence lengths with the same (T, N) reuse the compiled chunk kernel."""
-    traces = []
-
-    def traced(*args, cu_seqlens):
-        traces.append(cu_seqlens.shape)  # runs once per trace, never when a compiled call is reused
-        return naive.chunk_kda(*args, cu_seqlens=cu_seqlens, output_final_state=True)
-
-    kernel = jax.jit(traced)
-    inputs = random_kernel_inputs(rng, 96)
-    args = [jnp.asarray(inputs[name]) for name in ("q", "k", "v", "g", "beta")]
-    for lengths in ([5, 17, 1, 73], [90, 2, 2, 2], [0, 0, 0, 96]):
-        cu_seqlens = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
-        jax.block_until_ready(kernel(*args, cu_seqlens=cu_seqlens))
-    assert traces == [(5,)]
+    batches = [[5, 17, 1, 73], [90, 2, 2, 2], [0, 0, 0, 96]]
+    assert traces_over_batches(naive.chunk_kda, random_kernel_inputs(rng, 96), batches) == [(5,)]
 
 
 @pytest.mark.torch

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import itertools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,7 +22,7 @@ from tests.kda_impl.kernel_inputs import (
     random_kernel_inputs,
     reference_chunk_fp64,
     run_kernel,
-    seeded_rng,
+    traces_over_batches,
     with_full_resets,
 )
 
@@ -38,17 +37,6 @@ REFERENCES = {
 # One packed batch for most tests (one compilation per kernel): short sequences, one token, a whole chunk,
 # partial last chunks, several chunks, and empty sequences first, in the middle and last.
 LENGTHS = [0, 5, 17, 1, 64, 0, 65, 41, 200, 0]
-
-
-@pytest.fixture
-def rng(request) -> np.random.Generator:
-    return seeded_rng(request)
-
-
-@pytest.fixture
-def fla_naive():
-    pytest.importorskip("torch")
-    return pytest.importorskip("fla.ops.kda.naive")
 
 
 def random_states(rng: np.random.Generator, count: int) -> np.ndarray:
@@ -90,7 +78,7 @@ def assert_matches_fla_per_sequence(inputs, cu_seqlens, h0, o, state) -> None:
 @pytest.mark.torch
 @pytest.mark.parametrize("decay", ["realistic", "strong", "mixed"])
 @pytest.mark.parametrize("kernel", sorted(PALLAS))
-def test_packed_batch_matches_its_reference_and_fla(rng, fla_naive, kernel, decay):
+def test_packed_batch_matches_its_reference_and_fla(rng, fla, kernel, decay):
     """Pallas == its reference == fla naive on every sequence of `LENGTHS`, with initial states.
 
     Lengths 1, 64, 65 and 200 cover one token, a whole chunk and partial last chunks; "strong" takes g
@@ -111,7 +99,7 @@ def test_packed_batch_matches_its_reference_and_fla(rng, fla_naive, kernel, deca
 @pytest.mark.torch
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "init-state"])
 @pytest.mark.parametrize("kernel", sorted(PALLAS))
-def test_equal_length_batch_matches_fla(rng, fla_naive, kernel, with_state):
+def test_equal_length_batch_matches_fla(rng, fla, kernel, with_state):
     """B requests of T tokens each (no cu_seqlens), T = 65: one chunk and one token."""
     inputs = random_kernel_inputs(rng, 65, heads=HEADS, dim=DIM, batch=2, decay="mixed")
     h0 = random_states(rng, 2) if with_state else None
@@ -125,7 +113,7 @@ def test_equal_length_batch_matches_fla(rng, fla_naive, kernel, with_state):
 
 @pytest.mark.torch
 @pytest.mark.parametrize("flat_dt_bias", [False, True], ids=["dt_bias[H,K]", "dt_bias[H*K]"])
-def test_gate_in_kernel_equals_precomputed(rng, fla_naive, flat_dt_bias):
+def test_gate_in_kernel_equals_precomputed(rng, fla, flat_dt_bias):
     """`use_gate_in_kernel` == the kernels on fla's gate computed outside, padded chunk tails included
     (they must keep g = 0, or the final states would decay past the sequence end)."""
     import torch
@@ -158,7 +146,7 @@ def test_gate_in_kernel_equals_precomputed(rng, fla_naive, flat_dt_bias):
 
 @pytest.mark.torch
 @pytest.mark.parametrize("state_bytes_per_step", [tuning.DECODE_STATE_BYTES_PER_STEP, DIM * DIM * 4])
-def test_decode_writes_only_given_slots(rng, fla_naive, monkeypatch, state_bytes_per_step):
+def test_decode_writes_only_given_slots(rng, fla, monkeypatch, state_bytes_per_step):
     """Decode updates exactly its requests' slots of one pool layer (all heads or one head per step)."""
     monkeypatch.setattr(tuning, "DECODE_STATE_BYTES_PER_STEP", state_bytes_per_step)
     inputs = random_kernel_inputs(rng, 1, heads=HEADS, dim=DIM, batch=3, decay="mixed")
@@ -181,19 +169,9 @@ def test_decode_writes_only_given_slots(rng, fla_naive, monkeypatch, state_bytes
 
 def test_chunk_compiles_once_per_shape(rng):
     """New sequence lengths with the same (T, N) reuse the compiled kernel."""
-    traces = []
-
-    def traced(*args, cu_seqlens):
-        traces.append(cu_seqlens.shape)  # runs once per trace, never when a compiled call is reused
-        return pallas.chunk_kda(*args, cu_seqlens=cu_seqlens, output_final_state=True)
-
-    kernel = jax.jit(traced)
     inputs = random_kernel_inputs(rng, 40, heads=HEADS, dim=DIM)
-    args = [jnp.asarray(inputs[name]) for name in ("q", "k", "v", "g", "beta")]
-    for lengths in ([5, 17, 1, 17], [34, 2, 2, 2], [0, 0, 0, 40]):
-        cu_seqlens = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
-        jax.block_until_ready(kernel(*args, cu_seqlens=cu_seqlens))
-    assert traces == [(5,)]
+    batches = [[5, 17, 1, 17], [34, 2, 2, 2], [0, 0, 0, 40]]
+    assert traces_over_batches(pallas.chunk_kda, inputs, batches) == [(5,)]
 
 
 @pytest.mark.parametrize("kernel", sorted(PALLAS))

@@ -31,34 +31,39 @@ def one_prefill(runner, x: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np
     return out, states
 
 
-@pytest.mark.parametrize("k", [1, 8, 16])
-def test_prefill_then_k_decodes_matches_one_prefill(k, runner_for):
-    runner = runner_for("mini")
-    x = random_tokens(np.random.default_rng(10 + k), runner.config, SEQ_LEN)
-    expected_out, expected_states = one_prefill(runner, x)
-
-    slots = runner.alloc(1)
-    outs = runner.extend([x[: SEQ_LEN - k]], slots).outs
-    for t in range(SEQ_LEN - k, SEQ_LEN):
-        outs.append(runner.decode(x[t : t + 1], slots))
+def assert_as_one_prefill(runner, outs: list[np.ndarray], slots: list[int], expected) -> None:
+    """`outs` (concatenated) and the states left in `slots` equal one prefill's `expected` (out, states)."""
+    expected_out, expected_states = expected
     assert_close(np.concatenate(outs), expected_out)
-    for state, expected in zip(runner.states(slots), expected_states):
-        assert_close(state, expected)
+    for state, expected_state in zip(runner.states(slots), expected_states):
+        assert_close(state, expected_state)
 
 
-@pytest.mark.parametrize("split", [2, 64, 70])
-def test_chunked_prefill_matches_one_prefill(split, runner_for):
-    """Two EXTEND steps; split=2 leaves fewer tokens than the conv window in the first one."""
+# How one SEQ_LEN-token request is served: its EXTEND segments' lengths, then one-token DECODE steps. A
+# 2-token first segment leaves fewer tokens than the conv window.
+SCHEDULES = {
+    "1-decode": ((99,), 1),
+    "8-decodes": ((92,), 8),
+    "16-decodes": ((84,), 16),
+    "chunked-2": ((2, 98), 0),
+    "chunked-64": ((64, 36), 0),
+    "chunked-70": ((70, 30), 0),
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_served_in_steps_matches_one_prefill(schedule, runner_for):
     runner = runner_for("mini")
-    x = random_tokens(np.random.default_rng(20 + split), runner.config, SEQ_LEN)
-    expected_out, expected_states = one_prefill(runner, x)
+    segments, decodes = SCHEDULES[schedule]
+    x = random_tokens(np.random.default_rng(10 + list(SCHEDULES).index(schedule)), runner.config, SEQ_LEN)
+    expected = one_prefill(runner, x)
 
     slots = runner.alloc(1)
-    first = runner.extend([x[:split]], slots).outs[0]
-    second = runner.extend([x[split:]], slots).outs[0]
-    assert_close(np.concatenate([first, second]), expected_out)
-    for state, expected in zip(runner.states(slots), expected_states):
-        assert_close(state, expected)
+    bounds = np.cumsum([0, *segments])
+    outs = [runner.extend([x[start:end]], slots).outs[0] for start, end in itertools.pairwise(bounds)]
+    outs += [runner.decode(x[t : t + 1], slots) for t in range(bounds[-1], SEQ_LEN)]
+    assert len(outs) == len(segments) + decodes
+    assert_as_one_prefill(runner, outs, slots, expected)
 
 
 def test_requests_in_different_slots_do_not_disturb_each_other(runner_for):
@@ -93,7 +98,7 @@ def test_freed_slot_is_reused_clean(runner_for):
     runner = runner_for("mini")
     rng = np.random.default_rng(40)
     x = random_tokens(rng, runner.config, 50)
-    expected_out, expected_states = one_prefill(runner, x)
+    expected = one_prefill(runner, x)
 
     used = runner.alloc(1)
     runner.extend([random_tokens(rng, runner.config, 90)], used)
@@ -102,9 +107,7 @@ def test_freed_slot_is_reused_clean(runner_for):
     reused = runner.alloc(1)
     assert reused == used
     assert not np.any(runner.states(reused)[0]) and not np.any(runner.states(reused)[1])
-    assert_close(runner.extend([x], reused).outs[0], expected_out)
-    for state, expected in zip(runner.states(reused), expected_states):
-        assert_close(state, expected)
+    assert_as_one_prefill(runner, runner.extend([x], reused).outs, reused, expected)
 
 
 def test_idle_returns_zeros_and_leaves_the_pool_alone(runner_for):

@@ -15,7 +15,7 @@ from kda_impl.weights import layer_from_checkpoint, layer_from_hf_weights
 from kda_spec.checkpoint import INDEX_FILE, SINGLE_FILE
 from kda_spec.config import get_preset
 from kda_spec.synthetic_weights import synthetic_weights
-from kda_spec.weight_names import layer_prefix
+from kda_spec.weight_names import PROJECTIONS, layer_prefix
 
 # Layers 0 and 2 (0-based) are KDA; layer 1 stands for an MLA layer.
 CONFIG = get_preset("mini").replace(kda_layers=(1, 3), num_hidden_layers=3)
@@ -48,17 +48,7 @@ def assert_holds(module, weights: dict[str, np.ndarray]) -> None:
     def check(param, expected: np.ndarray) -> None:
         np.testing.assert_array_equal(np.asarray(param[...], np.float32), expected)
 
-    for name in (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "f_a_proj",
-        "f_b_proj",
-        "b_proj",
-        "g_a_proj",
-        "g_b_proj",
-        "o_proj",
-    ):
+    for name in PROJECTIONS:
         check(getattr(module, name).kernel, weights[f"{name}.weight"].T)
     for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
         check(getattr(module, name), weights[f"{name}.weight"][:, 0, :].T)
