@@ -14,7 +14,7 @@ import os
 
 from conformance.adapter import KERNEL_CHOICES
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
-from conformance.judging.tolerances import TolerancePolicy
+from conformance.policy import TolerancePolicy
 from conformance.runtime.compile_cache import enable_compile_cache
 from conformance.runtime.cpu_compile import prefer_fast_cpu_compile
 from conformance.search.command import weight_sets

@@ -23,7 +23,7 @@ from conformance.checks.runner import CheckRunner
 from conformance.checks.truth import NoTruth
 from conformance.dumps.reader import DumpSet
 from conformance.judging.reduction import head_scale
-from conformance.judging.tolerances import TolerancePolicy
+from conformance.policy import TolerancePolicy
 from conformance.reports.tables import format_text_table
 
 COLUMNS = ("nRMSE impl", "nRMSE ref", "worst element impl", "worst element ref")

@@ -31,7 +31,7 @@ from conformance.adapters.guard import (
 )
 from conformance.dumps.bundled import NoBundledSet, dumps_or_bundled
 from conformance.dumps.reader import DumpError, DumpSet, open_verified
-from conformance.judging.tolerances import DEFAULT_POLICY_FILE, TolerancePolicy, check_growth_factor
+from conformance.policy import DEFAULT_POLICY_FILE, TolerancePolicy, check_growth_factor
 from conformance.reports.output_files import check_writable_file
 from conformance.runtime.compile_cache import enable_compile_cache
 from conformance.runtime.cpu_compile import prefer_fast_cpu_compile

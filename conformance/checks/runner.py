@@ -32,6 +32,7 @@ from conformance.dumps.reader import CaseData, DumpSet
 from conformance.judging.attribution import attribute
 from conformance.judging.comparison import Comparison, judge
 from conformance.judging.contract import ContractCheck, contract_check
+from conformance.judging.limits import RelativeLimits
 from conformance.judging.matmul_diagnosis import MATMUL_MODELS, MatmulDiagnosis, diagnose
 from conformance.judging.measurement import Measurement, measure
 from conformance.judging.positions import (
@@ -42,7 +43,8 @@ from conformance.judging.positions import (
     position_profile,
 )
 from conformance.judging.reduction import reduction_limits
-from conformance.judging.tolerances import CONTRACT_MODE, RelativeLimits, TolerancePolicy
+from conformance.judging.verdict import CONTRACT_MODE
+from conformance.policy import TolerancePolicy
 from kda_spec import dump_format as fmt
 from kda_spec.truth import l2_normalised
 

@@ -29,8 +29,8 @@ from conformance.checks.serving_run import HiddenStatistics, ServingRun, run_sce
 from conformance.checks.serving_scenarios import Scenario
 from conformance.dumps.reader import CaseData, CaseInfo
 from conformance.judging.comparison import judge
+from conformance.judging.limits import Tolerance
 from conformance.judging.measurement import measure
-from conformance.judging.tolerances import Tolerance
 
 SERVING_PREFIX = "serving-"
 _OUT_AXES = ("token", "channel")

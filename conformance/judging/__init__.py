@@ -1,2 +1,2 @@
-"""How a result is judged: the measurements, the policy (tolerances.toml), the criteria and the one
+"""How a result is judged: the measurements, the limits they are held to, the criteria and the one
 verdict engine, the long cases' windows."""

@@ -7,8 +7,8 @@ import dataclasses
 
 import numpy as np
 
+from conformance.judging.limits import RelativeLimits, Tolerance
 from conformance.judging.measurement import elementwise_ratio, normalised_rmse
-from conformance.judging.tolerances import RelativeLimits, Tolerance
 from conformance.judging.verdict import Criterion
 
 # Who a check's difference comes from, judged against the float64 truth (docs/tolerance-policy.md).

@@ -11,8 +11,7 @@ from conformance.judging.attribution import Attribution
 from conformance.judging.contract import ContractCheck
 from conformance.judging.matmul_diagnosis import MatmulDiagnosis
 from conformance.judging.measurement import Measurement
-from conformance.judging.tolerances import CONTRACT_MODE
-from conformance.judging.verdict import Criterion, Verdict, decide
+from conformance.judging.verdict import CONTRACT_MODE, Criterion, Verdict, decide
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,8 +7,8 @@ import dataclasses
 
 import numpy as np
 
+from conformance.judging.limits import ContractLimits
 from conformance.judging.measurement import MinTokensRule, normalised_rmse
-from conformance.judging.tolerances import ContractLimits
 from conformance.judging.verdict import Criterion
 
 

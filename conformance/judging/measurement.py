@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.judging.tolerances import Tolerance
+from conformance.judging.limits import Tolerance
 from conformance.judging.verdict import Criterion
 
 

@@ -16,8 +16,8 @@ import numpy as np
 
 from conformance.judging.attribution import Attribution, attribute
 from conformance.judging.comparison import Comparison, judge
+from conformance.judging.limits import RelativeLimits, Tolerance
 from conformance.judging.measurement import Measurement, elements_outside
-from conformance.judging.tolerances import RelativeLimits, Tolerance
 from conformance.judging.verdict import Criterion, worst_ratio
 
 WINDOW_TOKENS = 256

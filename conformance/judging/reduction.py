@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from conformance.judging.tolerances import RelativeLimits, Tolerance
+from conformance.judging.limits import RelativeLimits, Tolerance
 
 FP32_UNIT_ROUNDOFF = 2.0**-24
 

@@ -28,6 +28,8 @@ MODE_GATES: dict[str, tuple[str, ...]] = {
     "absolute+relative": ("absolute", "relative"),
     "relative+contract": ("relative", "contract"),
 }
+# The gate mode in which the bf16 precision contract decides beside the relative gate.
+CONTRACT_MODE = "relative+contract"
 # What a failure of each gate's criteria is prefixed with.
 _FAILURE_PREFIX = {
     "finite": "",

@@ -15,7 +15,7 @@ import tabulate
 from conformance.checks.catalogue import GROUPS
 from conformance.judging.attribution import BLAMES
 from conformance.reports.json_file import number_from_json
-from conformance.judging.tolerances import CONTRACT_MODE
+from conformance.judging.verdict import CONTRACT_MODE
 
 _TEXT_WIDTH = 240  # wide enough that a table row never wraps in a log
 

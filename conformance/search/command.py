@@ -18,7 +18,7 @@ from rich.console import Console
 from conformance.adapter import KDAAdapter
 from conformance.adapters.guard import CallWatchdog
 from conformance.dumps.reader import DumpSet
-from conformance.judging.tolerances import TolerancePolicy
+from conformance.policy import TolerancePolicy
 from conformance.reports.json_file import write_json
 from conformance.search import reproducer
 from conformance.search.dumpcase import CASE_ID

@@ -48,8 +48,9 @@ from conformance.checks.runner import CheckRunner
 from conformance.checks.truth import NoTruth
 from conformance.dumps.reader import CaseData, DumpSet
 from conformance.judging.attribution import TruthError, error_vs_truth, relative_criteria
-from conformance.judging.tolerances import RelativeLimits, TolerancePolicy
+from conformance.judging.limits import RelativeLimits
 from conformance.judging.verdict import decide
+from conformance.policy import TolerancePolicy
 from conformance.search.dumpcase import CASE_ID, plain_pipeline, write_case_set
 from conformance.search.space import SearchCase
 from kda_spec import dump_format as fmt

@@ -18,7 +18,7 @@ from conformance.adapters.guard import ImplementationFault
 from conformance.checks.catalogue import CheckSkipped, CheckSpec, plan
 from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
-from conformance.judging.tolerances import TolerancePolicy
+from conformance.policy import TolerancePolicy
 from conformance.reports.check_record import summary
 from conformance.search.dumpcase import CASE_ID
 from conformance.search.explore import Finding

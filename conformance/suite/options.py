@@ -13,7 +13,7 @@ from typing import Any
 from conformance.adapter import KERNEL_CHOICES, parse_option_pairs
 from conformance.adapters.guard import DEFAULT_CALL_TIMEOUT_S, checked_call_timeout
 from conformance.dumps.bundled import dumps_or_bundled
-from conformance.judging.tolerances import DEFAULT_POLICY_FILE
+from conformance.policy import DEFAULT_POLICY_FILE
 from kda_spec.dump_format import DTYPES
 
 

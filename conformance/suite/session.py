@@ -25,7 +25,7 @@ from conformance.checks.serving_scenarios import fixed_scenarios, load_scenarios
 from conformance.dumps.bundled import is_bundled
 from conformance.dumps.reader import DumpSet
 from conformance.judging.comparison import Comparison
-from conformance.judging.tolerances import TolerancePolicy
+from conformance.policy import TolerancePolicy
 from conformance.reports.check_record import summary
 from conformance.reports.json_file import write_json
 from conformance.reports.junit import write_junit

@@ -30,7 +30,7 @@ from conformance.adapters.defects import BetaSigmoidInRunDtype, DefectiveKDAImpl
 from conformance.checks.catalogue import CheckSkipped, CheckSpec, case_checks, group_of
 from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
-from conformance.judging.tolerances import TolerancePolicy
+from conformance.policy import TolerancePolicy
 from kda_spec import dump_format as fmt
 
 POLICIES = ("default", "absolute")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from conformance.dumps.reader import DumpSet
-from conformance.judging.tolerances import TolerancePolicy
+from conformance.policy import TolerancePolicy
 from conformance.reports.json_file import write_json
 from conformance.reports.output_files import check_writable_file
 from conformance.reports.tables import format_text_table, markdown_table

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conformance.judging.tolerances import DEFAULT_POLICY_FILE
+from conformance.policy import DEFAULT_POLICY_FILE
 
 
 def edited_policy(folder: Path, old: str, new: str) -> Path:

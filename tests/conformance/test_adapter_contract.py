@@ -17,7 +17,7 @@ from conformance.adapters.kda_impl_adapter import KDAImplAdapter
 from conformance.checks.catalogue import KERNEL_CHECKS, CheckSkipped, plan
 from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
-from conformance.judging.tolerances import TolerancePolicy
+from conformance.policy import TolerancePolicy
 from conformance.reports.check_record import summary
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,7 +16,8 @@ from conformance.checks.truth import COMPUTED_LAYER_TRUTH_SOURCE, recurrence_fp6
 from conformance.cli import main
 from conformance.dumps.reader import DumpError, DumpSet
 from conformance.judging.attribution import Attribution, TruthError
-from conformance.judging.tolerances import RelativeLimits, TolerancePolicy
+from conformance.judging.limits import RelativeLimits
+from conformance.policy import TolerancePolicy
 from conformance.reports.check_record import metrics, summary
 from conformance.reports.render import markdown, terminal_lines
 from conformance.reports.report import Record, build_report

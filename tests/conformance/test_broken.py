@@ -10,7 +10,7 @@ from conformance.checks.catalogue import CheckSkipped, CheckSpec, plan
 from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
 from conformance.judging.comparison import Comparison
-from conformance.judging.tolerances import TolerancePolicy
+from conformance.policy import TolerancePolicy
 from conformance.reports.check_record import summary
 from conformance.reports.report import Record, build_report
 from conformance.tools.gate import breaches

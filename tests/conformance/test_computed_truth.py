@@ -20,7 +20,7 @@ from conformance.checks.catalogue import CheckSpec
 from conformance.checks.runner import CheckRunner
 from conformance.checks.truth import COMPUTED_LAYER_TRUTH_SOURCE, NoTruth, computed_layer_truth
 from conformance.dumps.reader import DumpSet
-from conformance.judging.tolerances import TolerancePolicy
+from conformance.policy import TolerancePolicy
 from kda_spec import dump_format as fmt
 from tests.conformance.numpy_adapter import NumpyAdapter
 from tests.conformance.synthetic import write_dump_set

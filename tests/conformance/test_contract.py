@@ -18,15 +18,9 @@ from conformance.dumps.reader import DumpSet
 from conformance.judging.attribution import attribute
 from conformance.judging.comparison import Comparison, judge
 from conformance.judging.contract import contract_check, error_vs_contract
-from conformance.judging.tolerances import (
-    CONTRACT_MODE,
-    DEFAULT_POLICY_FILE,
-    ContractLimits,
-    RelativeLimits,
-    Tolerance,
-    TolerancePolicy,
-)
-from conformance.judging.verdict import unmet, worst_ratio
+from conformance.judging.limits import ContractLimits, RelativeLimits, Tolerance
+from conformance.judging.verdict import CONTRACT_MODE, unmet, worst_ratio
+from conformance.policy import DEFAULT_POLICY_FILE, TolerancePolicy
 from conformance.reports.check_record import metrics
 from conformance.reports.report import Record
 from conformance.tools.diff import run_stages, table_lines

@@ -19,7 +19,7 @@ from conformance.checks.catalogue import CheckSpec
 from conformance.checks.runner import CheckRunner
 from conformance.checks.truth import computed_contract_model, flipped_contract_rounding
 from conformance.dumps.reader import DumpSet
-from conformance.judging.tolerances import TolerancePolicy
+from conformance.policy import TolerancePolicy
 from conformance.reports.check_record import summary
 from kda_spec import truth as kda_truth
 

@@ -9,7 +9,7 @@ import pytest
 
 from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
-from conformance.judging.tolerances import TolerancePolicy
+from conformance.policy import TolerancePolicy
 from conformance.tools.diff import (
     LAYER_KERNEL_OWN,
     LAYER_KERNEL_RERUN,

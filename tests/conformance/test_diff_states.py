@@ -11,7 +11,7 @@ import pytest
 from conformance.checks.runner import CheckRunner
 from conformance.cli import main
 from conformance.dumps.reader import DumpSet
-from conformance.judging.tolerances import TolerancePolicy
+from conformance.policy import TolerancePolicy
 from conformance.tools.diff import run_stages, stage_to_look_at, state_defects, table_lines
 from conformance.tools.diff_heatmap import state_panels
 from tests.conformance.numpy_adapter import NumpyAdapter

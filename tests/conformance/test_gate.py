@@ -13,7 +13,8 @@ import pytest
 
 from conformance.checks.catalogue import CheckSpec
 from conformance.cli import main
-from conformance.judging.tolerances import DEFAULT_POLICY_FILE, Tolerance, TolerancePolicy
+from conformance.judging.limits import Tolerance
+from conformance.policy import DEFAULT_POLICY_FILE, TolerancePolicy
 from conformance.reports.check_record import summary
 from conformance.reports.json_file import write_json
 from conformance.reports.report import Record

@@ -17,7 +17,7 @@ from conformance.checks.catalogue import CheckSpec
 from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
 from conformance.judging.matmul_diagnosis import CLOSER_FACTOR, diagnose
-from conformance.judging.tolerances import TolerancePolicy
+from conformance.policy import TolerancePolicy
 from conformance.reports.check_record import metrics, summary
 from kda_impl.models.kimi_linear import KimiDeltaAttention
 

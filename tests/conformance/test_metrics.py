@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.judging.tolerances import Tolerance, TolerancePolicy
+from conformance.judging.limits import Tolerance
+from conformance.policy import TolerancePolicy
 from conformance.reports.check_record import summary
 from tests.conformance.absolute import compare
 

@@ -17,8 +17,9 @@ from conformance.checks.runner import CheckRunner
 from conformance.checks.truth import COMPUTED_LAYER_TRUTH_SOURCE
 from conformance.cli import main
 from conformance.dumps.reader import DumpError, DumpSet
+from conformance.judging.limits import RelativeLimits, Tolerance
 from conformance.judging.positions import position_profile, window_bounds
-from conformance.judging.tolerances import RelativeLimits, Tolerance, TolerancePolicy
+from conformance.policy import TolerancePolicy
 from kda_spec import dump_format as fmt
 from tests.conformance.numpy_adapter import NumpyAdapter
 from tests.conformance.synthetic import write_dump_set

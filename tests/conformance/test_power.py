@@ -10,7 +10,7 @@ import pytest
 from conformance import cli
 from conformance.adapters.defects import Injection
 from conformance.dumps.reader import DumpSet
-from conformance.judging.tolerances import TolerancePolicy
+from conformance.policy import TolerancePolicy
 from conformance.tools import power, power_report
 from conformance.tools.power import GRID, POLICIES, Outcome, PowerMeter, smallest_caught
 from tests.conformance.synthetic import write_dump_set

@@ -10,7 +10,7 @@ import pytest
 from conformance.checks.reductions import REFERENCE_CHUNK_TOKENS, reduction_of
 from conformance.judging.attribution import error_vs_truth, relative_criteria
 from conformance.judging.reduction import FP32_UNIT_ROUNDOFF, Reduction, head_scale, reduction_limits
-from conformance.judging.tolerances import TolerancePolicy
+from conformance.policy import TolerancePolicy
 from conformance.reports.check_record import criterion_from_record, criterion_record
 from kda_spec.config import get_preset
 

@@ -16,9 +16,10 @@ from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
 from conformance.judging.attribution import attribute
 from conformance.judging.comparison import Comparison, judge
+from conformance.judging.limits import RelativeLimits, Tolerance
 from conformance.judging.measurement import Measurement
-from conformance.judging.tolerances import ModeRule, RelativeLimits, Tolerance, TolerancePolicy
 from conformance.judging.verdict import unmet
+from conformance.policy import ModeRule, TolerancePolicy
 from conformance.reports.check_record import summary
 from conformance.reports.json_file import write_json
 from conformance.reports.report import Record

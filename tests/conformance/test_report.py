@@ -6,7 +6,7 @@ import numpy as np
 
 from conformance.checks.catalogue import CheckSpec
 from conformance.judging.measurement import percent
-from conformance.judging.tolerances import TolerancePolicy
+from conformance.policy import TolerancePolicy
 from conformance.reports.check_record import summary
 from conformance.reports.render import markdown, terminal_lines
 from conformance.reports.report import Record, build_report

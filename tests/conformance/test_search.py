@@ -17,7 +17,7 @@ from hypothesis.internal.conjecture import engine
 from conformance import cli
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
 from conformance.dumps.reader import DumpSet
-from conformance.judging.tolerances import TolerancePolicy
+from conformance.policy import TolerancePolicy
 from conformance.search import reproducer
 from conformance.search.command import weight_sets
 from conformance.search.dumpcase import CASE_ID

@@ -23,7 +23,7 @@ from conformance.checks.serving_scenarios import (
     write_scenarios,
 )
 from conformance.dumps.reader import DumpSet
-from conformance.judging.tolerances import TolerancePolicy
+from conformance.policy import TolerancePolicy
 from conformance.search.command import SearchOptions
 from conformance.search.serving_search import run_serving_search
 from kda_impl.server_args import MIXED_CHUNK_EVIDENCE

@@ -16,8 +16,8 @@ from conformance.checks.catalogue import CheckSpec
 from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
 from conformance.judging.comparison import Comparison
-from conformance.judging.tolerances import TolerancePolicy
 from conformance.judging.verdict import worst_ratio
+from conformance.policy import TolerancePolicy
 from conformance.reports.check_record import contract_record
 from kda_spec import dump_format as fmt
 from kda_spec.config import get_preset

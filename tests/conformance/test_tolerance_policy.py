@@ -10,7 +10,7 @@ import pytest
 from conformance.checks.catalogue import CheckSpec
 from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
-from conformance.judging.tolerances import TolerancePolicy
+from conformance.policy import TolerancePolicy
 from tests.conformance.absolute import compare
 from tests.conformance.numpy_adapter import NumpyAdapter
 

@@ -1,131 +1,35 @@
 """The tolerance policy: which limits each check is held to, read from `tolerances.toml`.
 
 `TolerancePolicy.load` refuses a policy it cannot use with one ValueError naming the file, the table and
-the key at fault; each table's fields are those of the dataclass it makes."""
+the key at fault; each table's fields are those of the limits class it makes (`judging.limits`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import math
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from conformance.judging.verdict import MODE_GATES
+from conformance.judging.limits import (
+    TOLERANCE_FIELDS,
+    ContractLimits,
+    RelativeLimits,
+    Tolerance,
+    finite_number,
+)
+from conformance.judging.verdict import CONTRACT_MODE, MODE_GATES
 from conformance.runtime.run_platform import check_required_platform
 from kda_spec.dump_format import DTYPES
 
-if TYPE_CHECKING:
-    from conformance.judging.reduction import ReductionFloors
-
 DEFAULT_POLICY_FILE = Path(__file__).with_name("tolerances.toml")
-# The gate mode in which the bf16 precision contract decides beside the relative gate (every mode:
-# `verdict.MODE_GATES`).
-CONTRACT_MODE = "relative+contract"
-_LIMIT_FIELDS = ("atol", "rtol", "max_nrmse")
 _REQUIRED = object()  # `_setting`'s default of a key the policy must set
-
-
-def finite_number(value: Any, name: str, minimum: float = 0.0, strict: bool = False) -> float:
-    """`value` as a float where it is a finite number >= `minimum` (> with `strict`), else a ValueError
-    naming `name`."""
-    finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not (finite and (value > minimum if strict else value >= minimum)):
-        raise ValueError(
-            f"{name} must be a finite number {'>' if strict else '>='} {minimum:g}, got {value!r}"
-        )
-    return float(value)
 
 
 def check_growth_factor(value: Any, name: str) -> float:
     """`value` if it is a finite number > 1 (an allowed growth over a baseline), else a ValueError."""
     return finite_number(value, name, 1.0, strict=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class Tolerance:
-    """Element-wise `|a - b| <= atol + rtol * |b|`, and `‖a - b‖₂ / ‖b‖₂ <= max_nrmse` where set (over
-    what the policy's `min_tokens` rule lets it decide: `measurement.min_tokens_rule`)."""
-
-    atol: float
-    rtol: float
-    max_nrmse: float | None = None
-    reason: str | None = None  # why a per-check override departs from the dtype's policy
-
-    def __post_init__(self) -> None:
-        for name in _LIMIT_FIELDS:
-            if getattr(self, name) is not None:
-                finite_number(getattr(self, name), f"tolerance {name}")
-        if self.max_nrmse == 0:
-            raise ValueError("tolerance max_nrmse must be > 0 (leave it out to gate no nRMSE)")
-        if self.atol == 0 and self.rtol == 0:
-            raise ValueError("tolerance atol and rtol cannot both be 0")
-
-    def as_dict(self) -> dict[str, Any]:
-        return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
-
-
-@dataclasses.dataclass(frozen=True)
-class RelativeLimits:
-    """The relative gate: the implementation's error against the float64 truth may be at most
-    `factor` × the reference's own error against it, plus a floor: in margin (the check's
-    `atol + rtol·|truth|` shape) `impl ≤ factor·ref + margin_floor`, in nRMSE
-    `impl ≤ factor·ref + nrmse_floor`. The lambdas raise the floors to the rounding budget of the
-    stage's widest fp32 reduction (`conformance.judging.reduction`); 0 leaves them as they are."""
-
-    factor: float
-    margin_floor: float
-    nrmse_floor: float
-    nrmse_lambda: float = 0.0  # the nRMSE floor is at least nrmse_lambda · sqrt(K) · 2^-24
-    margin_lambda: float = 0.0  # the margin floor at least margin_lambda · sqrt(K) · 2^-24 in scale units
-    # The floors' reduction where they were raised to it (`reduction.reduction_limits`), else None.
-    reduction: ReductionFloors | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("factor", "margin_floor", "nrmse_floor", "nrmse_lambda", "margin_lambda"):
-            finite_number(getattr(self, name), name)
-        if self.factor < 1:
-            raise ValueError(f"factor must be >= 1 (no worse than the reference), got {self.factor!r}")
-        if self.margin_floor == 0 or self.nrmse_floor == 0:
-            raise ValueError("margin_floor and nrmse_floor must be > 0 (a reference may equal the truth)")
-
-    def as_dict(self) -> dict[str, Any]:
-        record = dataclasses.asdict(self)
-        if self.reduction is None:
-            del record["reduction"]
-        return record
-
-
-@dataclasses.dataclass(frozen=True)
-class ContractLimits:
-    """The bf16 precision contract: the implementation against the float64 layer that rounds to bf16
-    exactly at the contract's points (docs/bf16-rounding.md). Its nRMSE against that model may be at
-    most `max_nrmse` for a stage the contract stores in bf16, `max_nrmse_fp32_stage` for one it keeps in
-    fp32 (g, beta, the recurrent states), and its gain (the error's component along the model,
-    `<x - m, m> / <m, m>`) at most `max_gain` in size; both are whole-output statistics, under the
-    policy's `min_tokens` rule (`measurement.min_tokens_rule`). A result
-    `closer_factor` times closer to the float64 truth (nRMSE) than the model itself is exempt: it rounds
-    less than the contract, not worse. Each limit is at least `spread_factor` × the model's own spread: how
-    far the model moves when every value it rounds within an fp32 ulp of a bf16 tie rounds the other way
-    (`checks.truth.flipped_contract_rounding`), which is how far a faithful implementation's one-ulp flips
-    carry where the layer amplifies them."""
-
-    max_nrmse: float
-    max_nrmse_fp32_stage: float
-    max_gain: float
-    closer_factor: float
-    spread_factor: float
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            finite_number(getattr(self, field.name), field.name, strict=True)
-        if self.closer_factor < 1:
-            raise ValueError(f"closer_factor must be >= 1, got {self.closer_factor!r}")
-
-    def as_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,10 +199,10 @@ def _rule(entry: Any, kind: str, index: int, fields: tuple[str, ...]) -> str:
 
 
 def _override(entry: Any, index: int) -> Override:
-    label = _rule(entry, "override", index, _LIMIT_FIELDS)
-    limits = {key: entry[key] for key in _LIMIT_FIELDS if key in entry}
+    label = _rule(entry, "override", index, TOLERANCE_FIELDS)
+    limits = {key: entry[key] for key in TOLERANCE_FIELDS if key in entry}
     if not limits:
-        raise ValueError(f"{label}: needs at least one of {list(_LIMIT_FIELDS)}")
+        raise ValueError(f"{label}: needs at least one of {list(TOLERANCE_FIELDS)}")
     try:
         Tolerance(**{"atol": 1.0, "rtol": 1.0, **limits})  # validates the values
     except ValueError as err:
