@@ -131,8 +131,9 @@ def _layer_call(kernels: KernelBackend, path: str) -> Callable[..., Any]:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not use_qk_l2norm_in_kernel:
             raise RuntimeError(f"the layer called its {path} kernel without use_qk_l2norm_in_kernel")
-        call = KernelCall(query, key, value, g, beta, [(0, query.shape[1])], False, initial_state)
-        result = kernels.run(path, call)  # one sequence: not packed
+        spans = [(0, query.shape[1])]  # one sequence
+        call = KernelCall(query, key, value, g, beta, spans, packed=False, initial_state=initial_state)
+        result = kernels.run(path, call)
         return result.o, result.final_state if output_final_state else None
 
     return kernel
