@@ -18,6 +18,7 @@ import numpy as np
 
 from conformance.adapter import load_adapter_class
 from conformance.checks.catalogue import CheckSkipped, plan
+from conformance.checks.kinds import parse_check
 from conformance.checks.reductions import reduction_of
 from conformance.checks.runner import CheckRunner
 from conformance.checks.truth import NoTruth
@@ -40,7 +41,7 @@ def budget_units(runner: CheckRunner, dumps: DumpSet) -> dict[str, list[float]]:
         except (CheckSkipped, NoTruth):
             continue
         t = np.asarray(truth, np.float64)
-        budget = reduction_of(spec.check, dumps.config).budget
+        budget = reduction_of(spec.kind, dumps.config).budget
         scale = head_scale(t, sides.axes.index("head") if "head" in sides.axes else None)
         row = []
         for side in (sides.actual, sides.expected):
@@ -62,7 +63,11 @@ def main() -> None:
     runner = CheckRunner(dumps, load_adapter_class(args.impl), "auto", TolerancePolicy.load())
     worst = budget_units(runner, dumps)
     body = [
-        [check, str(reduction_of(check, dumps.config).length), *(f"{value:.3g}" for value in values)]
+        [
+            check,
+            str(reduction_of(parse_check(check).kind, dumps.config).length),
+            *(f"{v:.3g}" for v in values),
+        ]
         for check, values in worst.items()
     ]
     print("\n".join(format_text_table(["check", "K", *COLUMNS], body)))

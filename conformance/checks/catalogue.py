@@ -1,78 +1,81 @@
-"""The catalogue of checks: which ones a case gets, their names and groups.
+"""The catalogue of checks: which ones a case gets, and the `CheckSpec` that names one of them.
 
 A check is one result of the implementation under test against one reference, for one case and
 dtype: the layer output or state, a kernel output or state on the dumped kernel inputs, an
-intermediate, a prefill→decode or chunked-prefill replay, or a long case's output by position.
+intermediate, a prefill→decode or chunked-prefill replay, or a long case's output by position. What
+each kind compares is its row of `conformance.checks.kinds`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from conformance.checks import sequences
+from conformance.checks import kinds, sequences
+from conformance.checks.kinds import Check, CheckKind
 from conformance.dumps.reader import CaseInfo, DumpSet
-from conformance.judging.positions import DECODE_POSITIONS, LAYER_POSITIONS
 from kda_spec import dump_format as fmt
-
-# Kernel checks: check name → (kernel path as in the dump keys, which result).
-KERNEL_CHECKS = {
-    "kernel-chunk": ("chunk", "o"),
-    "kernel-chunk-state": ("chunk", "state"),
-    "kernel-recurrent": ("fused_recurrent", "o"),
-    "kernel-recurrent-state": ("fused_recurrent", "state"),
-}
-GROUPS = ("layer", "kernel", "intermediate", "decode", "chunked", "serving")
 
 
 class CheckSkipped(Exception):
     """A check that cannot run here (nothing to compare with, or no such path in the adapter)."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class CheckSpec:
+    """One check of one case (or serving scenario set) in one dtype; `check` is its name, `of` its
+    kind and argument. Built from a `Check`, or from a check's name (read once, `kinds.parse_check`)."""
+
     case_id: str
     dtype: str
     check: str
+    of: Check = dataclasses.field(compare=False, repr=False)
+
+    def __init__(self, case_id: str, dtype: str, check: str | Check):
+        of = kinds.parse_check(check) if isinstance(check, str) else check
+        for name, value in (("case_id", case_id), ("dtype", dtype), ("check", of.name), ("of", of)):
+            object.__setattr__(self, name, value)
 
     @property
     def id(self) -> str:
         return f"{self.case_id}-{self.dtype}-{self.check}"
 
     @property
+    def kind(self) -> CheckKind:
+        return self.of.kind
+
+    @property
     def group(self) -> str:
-        return group_of(self.check)
+        """The column of the summary table it belongs to."""
+        return self.kind.group
 
 
-def group_of(check: str) -> str:
-    """The column of the summary table a check belongs to."""
-    if check in fmt.INTERMEDIATE_KEYS:
-        return "intermediate"
-    return next(group for group in GROUPS if check.startswith(group))
+def decode_runs(seq_lens: tuple[int, ...]) -> list[str]:
+    """The decode runs of a case: k steps for each of `sequences.DECODE_STEPS`, and every token (`all`)
+    for a case short enough."""
+    runs = [f"k{k}" for k in sequences.DECODE_STEPS]
+    return runs + (["all"] if max(seq_lens) <= sequences.DECODE_ALL_MAX_LEN else [])
 
 
-def case_checks(seq_lens: tuple[int, ...]) -> list[str]:
-    """The names of the checks a case of these sequence lengths gets, per dtype."""
-    decode_runs = [f"k{k}" for k in sequences.DECODE_STEPS]
-    if max(seq_lens) <= sequences.DECODE_ALL_MAX_LEN:
-        decode_runs.append("all")
+def case_checks(seq_lens: tuple[int, ...]) -> list[Check]:
+    """The checks a case of these sequence lengths gets, per dtype."""
     return [
-        "layer",
-        "layer-state",
-        *KERNEL_CHECKS,
-        *fmt.INTERMEDIATE_KEYS,
-        *(f"decode-{run}{suffix}" for run in decode_runs for suffix in ("", "-self")),
-        "chunked-prefill",
-        "chunked-prefill-state",
+        Check(kinds.LAYER),
+        Check(kinds.LAYER_STATE),
+        *(Check(kind) for kind in kinds.KERNEL_KINDS),
+        *(Check(kinds.INTERMEDIATE, name) for name in fmt.INTERMEDIATE_KEYS),
+        *(Check(kind, run) for run in decode_runs(seq_lens) for kind in (kinds.DECODE, kinds.DECODE_SELF)),
+        Check(kinds.CHUNKED_PREFILL),
+        Check(kinds.CHUNKED_PREFILL_STATE),
     ]
 
 
-def long_case_checks(info: CaseInfo) -> list[str]:
+def long_case_checks(info: CaseInfo) -> list[Check]:
     """The checks of a long case (group `long`): its output by position
     (conformance/judging/positions.py), and the whole prefill and its state, or the decode steps the
     case asks for."""
     if info.decode_steps:
-        return [f"decode-k{info.decode_steps}", DECODE_POSITIONS]
-    return ["layer", "layer-state", LAYER_POSITIONS]
+        return [Check(kinds.DECODE, f"k{info.decode_steps}"), Check(kinds.BY_POSITION_DECODE)]
+    return [Check(kinds.LAYER), Check(kinds.LAYER_STATE), Check(kinds.BY_POSITION_LAYER)]
 
 
 def plan(dumps: DumpSet, case_ids: list[str], dtypes: list[str]) -> list[CheckSpec]:
@@ -84,17 +87,3 @@ def plan(dumps: DumpSet, case_ids: list[str], dtypes: list[str]) -> list[CheckSp
         for dtype in dtypes
         for check in (long_case_checks(info) if info.group == fmt.LONG_GROUP else case_checks(info.seq_lens))
     ]
-
-
-def truth_name(check: str) -> str:
-    """The stored truth a non-kernel check is judged against: the layer's output (decode and chunked
-    prefill: its rows), its final recurrent state, or the intermediate of the check's name."""
-    if check in fmt.INTERMEDIATE_KEYS:
-        return check
-    return "recurrent_state" if check.endswith("state") else "out"
-
-
-def decode_run(check: str) -> int | None:
-    """k of a `decode-k<k>[-self]` check; None for `decode-all[-self]`."""
-    run = check.removeprefix("decode-").removesuffix("-self")
-    return None if run == "all" else int(run[1:])

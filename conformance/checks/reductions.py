@@ -11,7 +11,7 @@ hidden and P. A kernel check runs on the dump's own inputs, so its budget is the
 
 from __future__ import annotations
 
-from conformance.checks.catalogue import KERNEL_CHECKS, truth_name
+from conformance.checks.kinds import KERNEL_TRUTH, CheckKind
 from conformance.judging.reduction import Reduction
 from kda_spec.config import KDAConfig
 
@@ -20,18 +20,18 @@ from kda_spec.config import KDAConfig
 REFERENCE_CHUNK_TOKENS = 64
 
 
-def reduction_of(check: str, config: KDAConfig) -> Reduction:
-    """The widest fp32 reduction behind `check`'s result under `config` (module docstring): a kernel's
-    own, else by the layer result the check is judged against (`catalogue.truth_name`)."""
+def reduction_of(kind: CheckKind, config: KDAConfig) -> Reduction:
+    """The widest fp32 reduction behind the result of a check of `kind` under `config` (module
+    docstring): a kernel's own, else by the layer result the kind is judged as (`CheckKind.result`)."""
     hidden, proj, dim = config.hidden_size, config.proj_dim, config.head_dim
-    if check in KERNEL_CHECKS:
-        if KERNEL_CHECKS[check][0] == "chunk":
+    if kind.truth == KERNEL_TRUTH:
+        if kind.kernel == "chunk":
             length = max(dim, REFERENCE_CHUNK_TOKENS)
             return Reduction(
                 length, f"the chunk kernel: D={dim} channels, {REFERENCE_CHUNK_TOKENS}-token chunks"
             )
         return Reduction(dim, f"the recurrent kernel: D={dim} channels")
-    if truth_name(check) == "out":
+    if kind.result == "out":
         length = max(hidden, proj)
         return Reduction(length, f"the projections over hidden={hidden} and o_proj over P={proj}")
     return Reduction(hidden, f"the projections over hidden={hidden}")

@@ -11,8 +11,10 @@ import numpy as np
 
 from conformance.adapter import KDAAdapter
 from conformance.adapters.guard import CallWatchdog
+from conformance.checks import kinds
 from conformance.checks.calls import ImplementationCalls, l2norm
-from conformance.checks.catalogue import KERNEL_CHECKS, CheckSkipped, CheckSpec, decode_run, truth_name
+from conformance.checks.catalogue import CheckSkipped, CheckSpec
+from conformance.checks.kinds import HEAD_AXES, OUT_AXES, STATE_AXES, CheckKind
 from conformance.checks.memo import Memo
 from conformance.checks.reductions import reduction_of
 from conformance.checks.truth import (
@@ -32,25 +34,16 @@ from conformance.dumps.reader import CaseData, DumpSet
 from conformance.judging.attribution import attribute
 from conformance.judging.comparison import Comparison, judge
 from conformance.judging.contract import ContractCheck, contract_check
-from conformance.judging.limits import RelativeLimits
+from conformance.judging.limits import RelativeLimits, Tolerance
 from conformance.judging.matmul_diagnosis import MATMUL_MODELS, MatmulDiagnosis, diagnose
 from conformance.judging.measurement import Measurement, measure
-from conformance.judging.positions import (
-    DECODE_POSITIONS,
-    POSITION_CHECKS,
-    PositionProfile,
-    judge_by_windows,
-    position_profile,
-)
+from conformance.judging.positions import PositionProfile, judge_by_windows, position_profile
 from conformance.judging.reduction import reduction_limits
 from conformance.judging.verdict import CONTRACT_MODE
 from conformance.policy import TolerancePolicy
 from kda_spec import dump_format as fmt
 from kda_spec.truth import l2_normalised
 
-_OUT_AXES = ("token", "channel")
-_HEAD_AXES = ("token", "head", "channel")
-_STATE_AXES = ("seq", "head", "key", "value")
 KERNEL_TRUTH_SOURCE = "float64 recurrence on the dumped kernel inputs"
 
 
@@ -125,7 +118,7 @@ class CheckRunner:
         case = self.case(spec.case_id)
         if not case.has_dtype(spec.dtype):
             raise CheckSkipped(f"the dump has no {spec.dtype} run (no {fmt.result_key('out', spec.dtype)})")
-        if spec.check in POSITION_CHECKS:
+        if spec.kind in kinds.BY_POSITION_KINDS:
             return self.by_position(case, spec)
         return self.judge(case, spec, self.sides(case, spec))
 
@@ -148,18 +141,19 @@ class CheckRunner:
         there is one, decided by the check's gate mode. `truth` gives (truth, source) in place of the
         check's own (or raises `NoTruth`)."""
         measured = self.measure(case, spec, sides)
+        unusable = self.unusable(spec, sides, measured)
+        if unusable is not None:
+            return unusable
         mode = self.policy.mode(spec.check, spec.dtype)
-        if not measured.usable:
-            return CheckResult(sides, judge(measured, mode))
         try:
             truth_value, source = truth() if truth else self.truth(case, spec, sides)
         except NoTruth as missing:
             return CheckResult(sides, judge(measured, mode, no_truth=str(missing)))
-        tolerance = measured.tolerance
-        limits = self.relative_limits(spec.check, spec.dtype, truth_value, sides.axes)
+        limits = self.relative_limits(spec, measured.tolerance, truth_value, sides.axes)
         attribution = attribute(
-            sides.actual, sides.expected, truth_value, source, tolerance, limits, measured.out_of_tolerance
-        )
+            sides.actual, sides.expected, truth_value, source, measured.tolerance, limits,
+            measured.out_of_tolerance,
+        )  # fmt: skip
         if mode != CONTRACT_MODE:
             judged = judge(measured, mode, attribution)
             if not (judged.passed or attribution.blame != "impl" or spec.dtype != "fp32"):
@@ -175,27 +169,30 @@ class CheckRunner:
         return CheckResult(sides, judge(measured, mode, attribution, contract=contract), truth_value, model)
 
     def relative_limits(
-        self, check: str, dtype: str, truth: np.ndarray, axes: tuple[str, ...]
+        self, spec: CheckSpec, tolerance: Tolerance, truth: np.ndarray, axes: tuple[str, ...]
     ) -> RelativeLimits:
-        """The relative gate's limits of `check` in the `dtype` run, its floors raised to the rounding
+        """The relative gate's limits of `spec` (held to `tolerance`), its floors raised to the rounding
         budget of its widest fp32 reduction on this `truth` (whose axes are `axes`)."""
         head_axis = axes.index("head") if "head" in axes else None
         return reduction_limits(
-            self.policy.relative[dtype],
-            reduction_of(check, self.dumps.config),
-            truth,
-            self.policy.tolerance(check, dtype),
+            self.policy.relative[spec.dtype], reduction_of(spec.kind, self.dumps.config), truth, tolerance,
             head_axis,
-        )
+        )  # fmt: skip
+
+    def unusable(self, spec: CheckSpec, sides: Sides, measured: Measurement) -> CheckResult | None:
+        """The decided check of a measurement that compared nothing (`Measurement.unusable`), else None."""
+        if measured.usable:
+            return None
+        return CheckResult(sides, judge(measured, self.policy.mode(spec.check, spec.dtype)))
 
     def matmul_diagnosis(
         self, case: CaseData, spec: CheckSpec, sides: Sides, truth: np.ndarray
     ) -> MatmulDiagnosis | None:
         """Which reduced-precision matmul a failing fp32 layer result matches, if any
-        (`conformance.judging.matmul_diagnosis`); None for a kernel check (its inputs are the dump's)."""
-        if spec.check in KERNEL_CHECKS:
+        (`conformance.judging.matmul_diagnosis`); None for a check judged on the dump's kernel inputs."""
+        if spec.kind.truth != kinds.LAYER_TRUTH:
             return None
-        name = truth_name(spec.check)
+        name = spec.of.result
         models = {}
         for model in MATMUL_MODELS:
             try:
@@ -225,7 +222,7 @@ class CheckRunner:
         minimum-tokens rule of `measured`; with the model. `NoTruth` when there is none (a kernel check,
         a result the model lacks)."""
         model = self.contract_model(case, spec, sides)
-        limits, fp32_stage = self.policy.contract, truth_name(spec.check) in FP32_STAGES
+        limits, fp32_stage = self.policy.contract, spec.of.result in FP32_STAGES
         check = contract_check(
             sides.actual, sides.expected, model, truth, impl_truth_nrmse, CONTRACT_SOURCE, limits, fp32_stage,
             measured.gating,
@@ -240,9 +237,9 @@ class CheckRunner:
         """The bf16 precision contract's float64 model of the check's result (at its rows), or with
         `spread` the model with its rounded values moved by one fp32 ulp first (`computed_contract_model`);
         `NoTruth` when there is none (a kernel check, a result the model of a long case lacks)."""
-        if spec.check in KERNEL_CHECKS:
+        if not spec.kind.contract:
             raise NoTruth("the precision contract has no rounding point inside the kernels")
-        name = truth_name(spec.check)
+        name = spec.of.result
         models = self._derived.get(
             ("contract-model", spec.dtype, spread),
             lambda: computed_contract_model(case, self.dumps.weights(), self.dumps.config, spread),
@@ -255,39 +252,44 @@ class CheckRunner:
         """A long case's output (its prefill, or its prefill then decode steps) against the reference and
         the float64 truth window by window, gated by the relative gate in every window."""
         dtype, decode_steps = spec.dtype, case.info.decode_steps
-        if spec.check == DECODE_POSITIONS:
+        decodes = spec.kind == kinds.BY_POSITION_DECODE
+        if decodes:
             actual, _ = self.calls.decode_full(case, dtype, decode_steps)
         else:
             actual = np.asarray(self.calls.layer(case, dtype).out)
-        sides = Sides(actual, self._expected(case, "out", dtype), _OUT_AXES)
+        sides = Sides(actual, self.expected(case, "out", dtype), OUT_AXES)
         try:
             truth, source = self.layer_truth(case, "out", dtype)
         except NoTruth as missing:
             raise CheckSkipped(f"{missing}: the error by position is measured against it") from None
         measured = self.measure(case, spec, sides)
-        if not measured.usable:
-            return CheckResult(sides, judge(measured, self.policy.mode(spec.check, dtype)))
+        unusable = self.unusable(spec, sides, measured)
+        if unusable is not None:
+            return unusable
         profile = position_profile(
             sides.actual,
             sides.expected,
             truth,
             measured.tolerance,
-            self.relative_limits(spec.check, dtype, truth, _OUT_AXES),
+            self.relative_limits(spec, measured.tolerance, truth, OUT_AXES),
             case_id=case.info.case_id,
             dtype=dtype,
             check=spec.check,
-            decode_from=case.info.total_tokens - decode_steps if spec.check == DECODE_POSITIONS else None,
+            decode_from=case.info.total_tokens - decode_steps if decodes else None,
         )
         self.position_profiles[spec.id] = profile
         return CheckResult(sides, judge_by_windows(measured, profile, source), truth)
 
     def truth(self, case: CaseData, spec: CheckSpec, sides: Sides) -> tuple[np.ndarray, str]:
         """The check's float64 truth (at its rows) and where it comes from; `NoTruth` when there is none."""
-        if spec.check in KERNEL_CHECKS:
+        kind = spec.kind
+        if kind.truth is None:
+            raise NoTruth(kind.no_truth)
+        if kind.truth == kinds.KERNEL_TRUTH:
             o, state = self.kernel_truth(case, spec.dtype)
-            value, source = (o if KERNEL_CHECKS[spec.check][1] == "o" else state), KERNEL_TRUTH_SOURCE
+            value, source = (o if kind.result == "o" else state), KERNEL_TRUTH_SOURCE
         else:
-            value, source = self.layer_truth(case, truth_name(spec.check), spec.dtype)
+            value, source = self.layer_truth(case, spec.of.result, spec.dtype)
             value = sides.rows_of(value)
         if not np.all(np.isfinite(value)):
             raise NoTruth(f"the truth ({source}) holds NaN/Inf values")
@@ -323,55 +325,93 @@ class CheckRunner:
         fp32 as the kernels get them): the truth of both kernel paths, (o, final states)."""
 
         def compute() -> tuple[np.ndarray, np.ndarray]:
-            q, k, v, g, beta = (self._expected(case, name, dtype) for name in KERNEL_INPUTS)
+            q, k, v, g, beta = (self.expected(case, name, dtype) for name in KERNEL_INPUTS)
             inputs = (l2norm(q), l2norm(k), v, g, beta)
             return recurrence_fp64(inputs, case.cu_seqlens, case.initial_state)
 
         return self._derived.get(("kernel-truth", dtype), compute)
 
     def sides(self, case: CaseData, spec: CheckSpec) -> Sides:
-        """The implementation's result and the reference of one check."""
-        check, dtype = spec.check, spec.dtype
-        if check == "layer":
-            return Sides(self.calls.layer(case, dtype).out, self._expected(case, "out", dtype), _OUT_AXES)
-        if check == "layer-state":
-            return self._state_sides(case, dtype, self.calls.layer(case, dtype).final_state)
-        if check in KERNEL_CHECKS:
-            path, which = KERNEL_CHECKS[check]
-            o, state = self.calls.kernel_on_dump(case, dtype, path)
-            if which == "o":
-                return Sides(o, self._expected(case, f"o_kda_{path}", dtype), _HEAD_AXES)
-            return Sides(state, self._expected(case, f"recurrent_state_{path}", dtype), _STATE_AXES)
-        if check in fmt.INTERMEDIATE_KEYS:
-            reference = self._expected(case, check, dtype)
-            value = self.calls.layer(case, dtype).intermediates.get(check)
-            if value is None:
-                raise CheckSkipped(f"adapter {self.calls.adapter(dtype).name!r} does not expose {check!r}")
-            return Sides(np.asarray(value), reference, _HEAD_AXES[: reference.ndim])
-        if check.startswith("decode-"):
-            decoded, token_rows = self.calls.decode(case, dtype, decode_run(check))
-            if check.endswith("-self"):
-                reference = np.asarray(self.calls.layer(case, dtype).out)[token_rows]
-            else:
-                reference = self._expected(case, "out", dtype)[token_rows]
-            return Sides(decoded, reference, _OUT_AXES, {"token": token_rows})
-        if check.startswith("chunked-prefill"):
-            out, state = self.calls.chunked_prefill(case, dtype)
-            if check == "chunked-prefill":
-                return Sides(out, self._expected(case, "out", dtype), _OUT_AXES)
-            return self._state_sides(case, dtype, state)
-        raise ValueError(f"unknown check {check!r}")
+        """The implementation's result and the reference of one check: its kind's function (`_SIDES`)."""
+        return _SIDES[spec.kind](self, case, spec)
 
-    def _state_sides(self, case: CaseData, dtype: str, state: np.ndarray | None) -> Sides:
+    def state_sides(self, case: CaseData, dtype: str, state: np.ndarray | None) -> Sides:
         """A final state of the layer against the dump's state of the layer's kernel path."""
         if state is None:
             raise CheckSkipped(f"adapter {self.calls.adapter(dtype).name!r} returns no final recurrent state")
-        reference = self._expected(case, f"recurrent_state_{case.info.layer_kernel_path}", dtype)
-        return Sides(np.asarray(state), reference, _STATE_AXES)
+        reference = self.expected(case, f"recurrent_state_{case.info.layer_kernel_path}", dtype)
+        return Sides(np.asarray(state), reference, STATE_AXES)
 
     @staticmethod
-    def _expected(case: CaseData, name: str, dtype: str) -> np.ndarray:
+    def expected(case: CaseData, name: str, dtype: str) -> np.ndarray:
+        """The dump's result `name` of the `dtype` run; `CheckSkipped` when the dump has none."""
         value = case.result(name, dtype)
         if value is None:
             raise CheckSkipped(f"the dump has no {fmt.result_key(name, dtype)!r}")
         return value
+
+
+# --------------------------------------------------------------------------------- sides by kind
+
+SidesFunction = Callable[[CheckRunner, CaseData, CheckSpec], Sides]
+_SIDES: dict[CheckKind, SidesFunction] = {}
+
+
+def _sides_of(*of: CheckKind) -> Callable[[SidesFunction], SidesFunction]:
+    """Register the function that computes the sides of the kinds `of`."""
+
+    def register(function: SidesFunction) -> SidesFunction:
+        for kind in of:
+            _SIDES[kind] = function
+        return function
+
+    return register
+
+
+@_sides_of(kinds.LAYER)
+def _layer(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
+    out = runner.calls.layer(case, spec.dtype).out
+    return Sides(out, runner.expected(case, "out", spec.dtype), OUT_AXES)
+
+
+@_sides_of(kinds.LAYER_STATE)
+def _layer_state(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
+    return runner.state_sides(case, spec.dtype, runner.calls.layer(case, spec.dtype).final_state)
+
+
+@_sides_of(*kinds.KERNEL_KINDS)
+def _kernel(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
+    kind, dtype = spec.kind, spec.dtype
+    o, state = runner.calls.kernel_on_dump(case, dtype, kind.kernel)
+    if kind.result == "o":
+        return Sides(o, runner.expected(case, f"o_kda_{kind.kernel}", dtype), HEAD_AXES)
+    return Sides(state, runner.expected(case, f"recurrent_state_{kind.kernel}", dtype), STATE_AXES)
+
+
+@_sides_of(kinds.INTERMEDIATE)
+def _intermediate(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
+    name, dtype = spec.of.result, spec.dtype
+    reference = runner.expected(case, name, dtype)
+    value = runner.calls.layer(case, dtype).intermediates.get(name)
+    if value is None:
+        raise CheckSkipped(f"adapter {runner.calls.adapter(dtype).name!r} does not expose {name!r}")
+    return Sides(np.asarray(value), reference, HEAD_AXES[: reference.ndim])
+
+
+@_sides_of(kinds.DECODE, kinds.DECODE_SELF)
+def _decode(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
+    dtype = spec.dtype
+    decoded, token_rows = runner.calls.decode(case, dtype, spec.of.decode_steps)
+    if spec.kind == kinds.DECODE_SELF:
+        reference = np.asarray(runner.calls.layer(case, dtype).out)[token_rows]
+    else:
+        reference = runner.expected(case, "out", dtype)[token_rows]
+    return Sides(decoded, reference, OUT_AXES, {"token": token_rows})
+
+
+@_sides_of(kinds.CHUNKED_PREFILL, kinds.CHUNKED_PREFILL_STATE)
+def _chunked_prefill(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
+    out, state = runner.calls.chunked_prefill(case, spec.dtype)
+    if spec.kind == kinds.CHUNKED_PREFILL:
+        return Sides(out, runner.expected(case, "out", spec.dtype), OUT_AXES)
+    return runner.state_sides(case, spec.dtype, state)

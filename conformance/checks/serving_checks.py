@@ -21,7 +21,9 @@ from typing import Any
 import numpy as np
 
 from conformance.adapter import LayerResult
+from conformance.checks import kinds
 from conformance.checks.catalogue import CheckSkipped, CheckSpec
+from conformance.checks.kinds import Check, CheckKind
 from conformance.checks.memo import Memo
 from conformance.checks.runner import CheckResult, CheckRunner, Sides
 from conformance.checks.sequences import offsets
@@ -32,18 +34,10 @@ from conformance.judging.comparison import judge
 from conformance.judging.limits import Tolerance
 from conformance.judging.measurement import measure
 
-SERVING_PREFIX = "serving-"
-_OUT_AXES = ("token", "channel")
-_STATE_AXES = ("seq", "head", "key", "value")
-_CONV_AXES = ("seq", "history", "channel")
 # Equal to the bit: half the smallest float32 step, so that any difference is out of it and none is in.
 BIT_EXACT = Tolerance(
     atol=float(np.finfo(np.float32).smallest_subnormal) / 2, rtol=0.0, reason="the same values to the bit"
 )
-
-
-def is_serving(spec: CheckSpec) -> bool:
-    return spec.check.startswith(SERVING_PREFIX)
 
 
 class ServingChecks:
@@ -53,64 +47,39 @@ class ServingChecks:
     def __init__(self, runner: CheckRunner, scenarios: Sequence[Scenario], set_name: str):
         self.runner, self.set_name = runner, set_name
         self.scenarios = {scenario.name: scenario for scenario in scenarios}
-        self._checks: dict[str, tuple[Scenario, str]] = {}
-        for scenario in scenarios:
-            kinds = ["", "-state", "-conv", "-untouched"] + (["-identical"] if scenario.same_as else [])
-            for kind in kinds:
-                self._checks[f"{SERVING_PREFIX}{scenario.name}{kind}"] = (scenario, kind)
         self._memo = Memo()
         self._cases: dict[str, CaseData] = {}
 
     def plan(self, dtypes: Sequence[str]) -> list[CheckSpec]:
-        """Every serving check, by scenario, then dtype."""
+        """Every serving check, by scenario, then dtype: each serving kind (`kinds.SERVING_KINDS`), the
+        `-identical` one only for a scenario `same_as` another."""
         return [
-            CheckSpec(self.set_name, dtype, check)
+            CheckSpec(self.set_name, dtype, Check(kind, scenario.name))
             for scenario in self.scenarios.values()
             for dtype in dtypes
-            for check, (owner, _) in self._checks.items()
-            if owner is scenario
+            for kind in kinds.SERVING_KINDS
+            if kind != kinds.SERVING_IDENTICAL or scenario.same_as
         ]
 
     def run(self, spec: CheckSpec) -> CheckResult:
-        """Compute and decide one serving check; `CheckSkipped` when it cannot run."""
-        scenario, kind = self._checks[spec.check]
-        run = self._run(scenario, spec.dtype)
-        if kind == "-untouched":
-            before, after = (np.concatenate([np.zeros(0, np.float32), *parts]) for parts in
-                             (run.untouched_before, run.untouched_after))  # fmt: skip
-            if before.size == 0:
-                raise CheckSkipped(f"scenario {scenario.name!r} has no slot outside a batch")
-            return _bit_exact(after, before, "slots outside the batch")
-        if kind == "-identical":
-            base = self._run(self.scenarios[scenario.same_as], spec.dtype)
-            actual, expected = (np.concatenate(r.forward_outputs) for r in (run, base))
-            return _bit_exact(actual, expected, f"the outputs of {scenario.same_as!r}")
+        """Compute and decide one serving check (its kind's function, `_RESULTS`); `CheckSkipped` when it
+        cannot run."""
+        return _RESULTS[spec.kind](self, self.scenarios[spec.of.arg], spec)
+
+    def requests_alone(self, scenario: Scenario, dtype: str) -> tuple[list[str], list[LayerResult], CaseData]:
+        """The scenario's requests that get a token, each run alone, and the packed case of them all."""
         names = [name for name, tokens in scenario.request_tokens.items() if tokens]
         if not names:
             raise CheckSkipped(f"scenario {scenario.name!r} gives no request a token")
-        alone = [self._alone(scenario, name, spec.dtype) for name in names]
-        case = self._case(scenario, names)
-        if kind == "-conv":
-            conv = [result.intermediates.get("final_conv_state") for result in alone]
-            if any(value is None for value in conv):
-                raise CheckSkipped("the adapter's layer_extend exposes no final_conv_state to compare with")
-            sides = Sides(np.stack([run.conv[name] for name in names]), np.concatenate(conv), _CONV_AXES)
-            measured = self.runner.measure(case, spec, sides)
-            return CheckResult(
-                sides, judge(measured, "absolute", no_truth="no float64 truth of the conv state")
-            )
-        if kind == "-state":
-            if any(result.final_state is None for result in alone):
-                raise CheckSkipped("the adapter's layer_extend returns no final state to compare with")
-            actual = np.stack([run.recurrent[name] for name in names])
-            expected = np.concatenate([result.final_state for result in alone])
-            axes = _STATE_AXES
-        else:
-            actual = np.concatenate([run.outputs[name] for name in names])
-            expected = np.concatenate([result.out for result in alone])
-            axes = _OUT_AXES
-        self.runner.use_case(case)
-        return self.runner.judge(case, spec, Sides(actual, expected, axes))
+        return names, [self._alone(scenario, name, dtype) for name in names], self._case(scenario, names)
+
+    def bit_exact(self, spec: CheckSpec, actual: np.ndarray, expected: np.ndarray, what: str) -> CheckResult:
+        """`actual` against `expected` (`what`, the same shape), every element equal (atol = rtol = 0),
+        under the check's gate mode (without a truth the absolute gate decides)."""
+        measured = measure(actual, expected, BIT_EXACT, BIT_EXACT)
+        mode = self.runner.policy.mode(spec.check, spec.dtype)
+        no_truth = f"bit-exact against {what}: no float64 truth applies"
+        return CheckResult(Sides(actual, expected, ()), judge(measured, mode, no_truth=no_truth))
 
     # ------------------------------------------------------------------------------------- results
 
@@ -125,7 +94,9 @@ class ServingChecks:
 
         return self._memo.get(key, skipping)
 
-    def _run(self, scenario: Scenario, dtype: str) -> ServingRun:
+    def run_of(self, scenario: Scenario, dtype: str) -> ServingRun:
+        """The scenario run on the implementation's pool, once per dtype."""
+
         def compute() -> ServingRun:
             guarded = self.runner.calls.guarded(dtype)  # built (or its fault raised) first
             config = self.runner.dumps.config
@@ -165,12 +136,69 @@ class ServingChecks:
         return self._cases[scenario.name]
 
 
-def _bit_exact(
-    actual: np.ndarray,  # [n] or [T, hidden]
-    expected: np.ndarray,  # the same shape
-    what: str,
-) -> CheckResult:
-    """`actual` against `expected`, every element equal (atol = rtol = 0)."""
-    measured = measure(actual, expected, BIT_EXACT, BIT_EXACT)
-    no_truth = f"bit-exact against {what}: no float64 truth applies"
-    return CheckResult(Sides(actual, expected, ()), judge(measured, "absolute", no_truth=no_truth))
+# ------------------------------------------------------------------------------------ results by kind
+
+ResultFunction = Callable[[ServingChecks, Scenario, CheckSpec], CheckResult]
+_RESULTS: dict[CheckKind, ResultFunction] = {}
+
+
+def _result_of(kind: CheckKind) -> Callable[[ResultFunction], ResultFunction]:
+    """Register the function that computes and decides the serving checks of `kind`."""
+
+    def register(function: ResultFunction) -> ResultFunction:
+        _RESULTS[kind] = function
+        return function
+
+    return register
+
+
+@_result_of(kinds.SERVING)
+def _outputs(checks: ServingChecks, scenario: Scenario, spec: CheckSpec) -> CheckResult:
+    run = checks.run_of(scenario, spec.dtype)
+    names, alone, case = checks.requests_alone(scenario, spec.dtype)
+    actual = np.concatenate([run.outputs[name] for name in names])
+    sides = Sides(actual, np.concatenate([result.out for result in alone]), spec.kind.axes)
+    checks.runner.use_case(case)
+    return checks.runner.judge(case, spec, sides)
+
+
+@_result_of(kinds.SERVING_STATE)
+def _recurrent_states(checks: ServingChecks, scenario: Scenario, spec: CheckSpec) -> CheckResult:
+    run = checks.run_of(scenario, spec.dtype)
+    names, alone, case = checks.requests_alone(scenario, spec.dtype)
+    if any(result.final_state is None for result in alone):
+        raise CheckSkipped("the adapter's layer_extend returns no final state to compare with")
+    actual = np.stack([run.recurrent[name] for name in names])
+    sides = Sides(actual, np.concatenate([result.final_state for result in alone]), spec.kind.axes)
+    checks.runner.use_case(case)
+    return checks.runner.judge(case, spec, sides)
+
+
+@_result_of(kinds.SERVING_CONV)
+def _conv_states(checks: ServingChecks, scenario: Scenario, spec: CheckSpec) -> CheckResult:
+    run = checks.run_of(scenario, spec.dtype)
+    names, alone, case = checks.requests_alone(scenario, spec.dtype)
+    conv = [result.intermediates.get("final_conv_state") for result in alone]
+    if any(value is None for value in conv):
+        raise CheckSkipped("the adapter's layer_extend exposes no final_conv_state to compare with")
+    sides = Sides(np.stack([run.conv[name] for name in names]), np.concatenate(conv), spec.kind.axes)
+    checks.runner.use_case(case)
+    return checks.runner.judge(case, spec, sides)
+
+
+@_result_of(kinds.SERVING_UNTOUCHED)
+def _untouched(checks: ServingChecks, scenario: Scenario, spec: CheckSpec) -> CheckResult:
+    run = checks.run_of(scenario, spec.dtype)
+    before, after = (np.concatenate([np.zeros(0, np.float32), *parts]) for parts in
+                     (run.untouched_before, run.untouched_after))  # fmt: skip
+    if before.size == 0:
+        raise CheckSkipped(f"scenario {scenario.name!r} has no slot outside a batch")
+    return checks.bit_exact(spec, after, before, "slots outside the batch")
+
+
+@_result_of(kinds.SERVING_IDENTICAL)
+def _identical(checks: ServingChecks, scenario: Scenario, spec: CheckSpec) -> CheckResult:
+    run = checks.run_of(scenario, spec.dtype)
+    base = checks.run_of(checks.scenarios[scenario.same_as], spec.dtype)
+    actual, expected = (np.concatenate(r.forward_outputs) for r in (run, base))
+    return checks.bit_exact(spec, actual, expected, f"the outputs of {scenario.same_as!r}")

@@ -25,7 +25,6 @@ WINDOW_TOKENS = 256
 # a prefill followed by `decode_steps` decode steps (its rows from the prefill, then the decoded ones).
 LAYER_POSITIONS = "layer-positions"
 DECODE_POSITIONS = "decode-positions"
-POSITION_CHECKS = (LAYER_POSITIONS, DECODE_POSITIONS)
 # The gate of a position check is always the relative one, window by window: over tens of thousands of
 # tokens the question is whether the implementation drifts from the truth faster than the reference.
 POSITIONS_MODE = "relative"

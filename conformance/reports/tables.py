@@ -12,7 +12,7 @@ import rich.console
 import rich.table
 import tabulate
 
-from conformance.checks.catalogue import GROUPS
+from conformance.checks.kinds import GROUPS
 from conformance.judging.attribution import BLAMES
 from conformance.reports.json_file import number_from_json
 from conformance.judging.verdict import CONTRACT_MODE

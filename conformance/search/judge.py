@@ -43,7 +43,9 @@ import numpy as np
 
 from conformance.adapter import KDAAdapter
 from conformance.adapters.guard import CallWatchdog, ImplementationFault
-from conformance.checks.catalogue import KERNEL_CHECKS, CheckSkipped, CheckSpec, truth_name
+from conformance.checks import kinds
+from conformance.checks.catalogue import CheckSkipped, CheckSpec
+from conformance.checks.kinds import Check
 from conformance.checks.runner import CheckRunner
 from conformance.checks.truth import NoTruth
 from conformance.dumps.reader import CaseData, DumpSet
@@ -59,15 +61,18 @@ from kda_spec.config import KDAConfig
 # The checks judged per case: every check `conformance run` makes of a case but decode-all (one decode
 # call per token; decode-k1 and decode-k8 decode the same way) and the decode checks against the
 # adapter's own prefill (their result is decode-k*'s, judged against the same truth).
-CHECKS = (
-    "layer",
-    "layer-state",
-    *KERNEL_CHECKS,
-    *fmt.INTERMEDIATE_KEYS,
-    "decode-k1",
-    "decode-k8",
-    "chunked-prefill",
-    "chunked-prefill-state",
+CHECKS = tuple(
+    check.name
+    for check in (
+        Check(kinds.LAYER),
+        Check(kinds.LAYER_STATE),
+        *(Check(kind) for kind in kinds.KERNEL_KINDS),
+        *(Check(kinds.INTERMEDIATE, name) for name in fmt.INTERMEDIATE_KEYS),
+        Check(kinds.DECODE, "k1"),
+        Check(kinds.DECODE, "k8"),
+        Check(kinds.CHUNKED_PREFILL),
+        Check(kinds.CHUNKED_PREFILL_STATE),
+    )
 )
 MEMORY_ROOT = "memory://conformance-search"
 PERTURBATION_STREAM = 1  # the random directions of the one-ulp perturbation, apart from the case's draws
@@ -203,9 +208,10 @@ class Judge:
                     checks[check] = CheckJudgement(check, inf, inf, inf, 0.0, 0.0, fault=fault.message)
                     continue
                 bases = [sides.expected]
-                if perturbed is not None and check not in KERNEL_CHECKS:
-                    bases.append(sides.rows_of(perturbed[truth_name(check)]))
-                limits = runner.relative_limits(check, case.dtype, truth, sides.axes)
+                if perturbed is not None and spec.kind.truth == kinds.LAYER_TRUTH:
+                    bases.append(sides.rows_of(perturbed[spec.of.result]))
+                tolerance = self.policy.tolerance(check, case.dtype)
+                limits = runner.relative_limits(spec, tolerance, truth, sides.axes)
                 checks[check] = judgement(check, sides.actual, bases, truth, self.policy, case.dtype, limits)
         finally:
             fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)

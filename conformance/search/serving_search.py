@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, Phase, find, settings
 from hypothesis.errors import NoSuchExample
 
 from conformance.adapters.guard import ImplementationFault
+from conformance.checks import kinds
 from conformance.checks.catalogue import CheckSkipped
 from conformance.checks.runner import CheckRunner
 from conformance.checks.serving_checks import ServingChecks
@@ -63,7 +64,7 @@ class ScheduleJudge:
             try:
                 comparison = serving.run(spec).comparison
             except CheckSkipped as skip:
-                if spec.check == f"serving-{scenario.name}":  # the outputs' check: no serving path
+                if spec.kind == kinds.SERVING:  # the outputs' check: no serving path
                     raise CannotAnswer(str(skip)) from None
                 continue  # a check this schedule does not give (no slot outside a batch)
             except ImplementationFault as fault:

@@ -19,8 +19,9 @@ from conformance.adapters.guard import (
     one_line,
 )
 from conformance.checks.catalogue import CheckSkipped, CheckSpec, plan
+from conformance.checks.kinds import SERVING_GROUP
 from conformance.checks.runner import CheckResult, CheckRunner
-from conformance.checks.serving_checks import ServingChecks, is_serving
+from conformance.checks.serving_checks import ServingChecks
 from conformance.checks.serving_scenarios import fixed_scenarios, load_scenarios, scenario_set_name
 from conformance.dumps.bundled import is_bundled
 from conformance.dumps.reader import DumpSet
@@ -95,7 +96,7 @@ class ConformanceSession:
         faulted in fails it with the fault's one line."""
         self._current = spec
         try:
-            result = self.serving.run(spec) if is_serving(spec) else self.runner.run(spec)
+            result = self.serving.run(spec) if spec.group == SERVING_GROUP else self.runner.run(spec)
         except CheckSkipped as skip:
             pytest.skip(str(skip))
         except ImplementationFault as fault:

@@ -27,7 +27,9 @@ from typing import Any
 import numpy as np
 
 from conformance.adapters.defects import BetaSigmoidInRunDtype, DefectiveKDAImpl, Injection
-from conformance.checks.catalogue import CheckSkipped, CheckSpec, case_checks, group_of
+from conformance.checks import kinds
+from conformance.checks.catalogue import CheckSkipped, CheckSpec, case_checks
+from conformance.checks.kinds import Check
 from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
 from conformance.policy import TolerancePolicy
@@ -56,7 +58,7 @@ class Defect:
     description: str
     structural: bool
     inject: Callable[[Mapping[str, np.ndarray], float], Injection]
-    groups: frozenset[str] = _LAYER_GROUPS  # the check groups it can reach (catalogue.GROUPS)
+    groups: frozenset[str] = _LAYER_GROUPS  # the check groups it can reach (kinds.GROUPS)
     preferred_cases: tuple[str, ...] = ("T65",)
     exercised_by: Callable[[tuple[int, ...]], bool] = _any_case
     layer_class: type = DefectiveKDAImpl.layer_class
@@ -138,14 +140,18 @@ def cases_for(defect: Defect, dumps: DumpSet, selected: list[str] | None) -> lis
     return preferred or exercising[:1]
 
 
+def _decodes_every_token(check: Check) -> bool:
+    return check.kind in (kinds.DECODE, kinds.DECODE_SELF) and check.arg == "all"
+
+
 def checks_for(defect: Defect, seq_lens: tuple[int, ...]) -> list[str]:
     """The checks of a case that `defect` can reach; decode-all is left out (one call per token; k = 1
     and k = 8 decode the same way), and so are the kernel checks unless the defect is in the kernel
     (they run on the dumped inputs, whatever the weights)."""
     return [
-        check
+        check.name
         for check in case_checks(seq_lens)
-        if group_of(check) in defect.groups and not check.startswith("decode-all")
+        if check.kind.group in defect.groups and not _decodes_every_token(check)
     ]
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from conformance.adapter import KDAAdapter, parse_option_pairs
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
-from conformance.checks.catalogue import KERNEL_CHECKS, CheckSkipped, plan
+from conformance.checks import kinds
+from conformance.checks.catalogue import CheckSkipped, plan
 from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
 from conformance.policy import TolerancePolicy
@@ -22,6 +23,7 @@ from conformance.reports.check_record import summary
 
 REPO = Path(__file__).resolve().parents[2]
 ADAPTERS_DOC = REPO / "docs" / "adapters.md"
+KERNEL_CHECKS = [kind.name() for kind in kinds.KERNEL_KINDS]
 
 
 def _skeleton_source() -> str:
@@ -62,7 +64,7 @@ def test_skeleton_passes_the_kernel_checks_and_skips_the_rest(
         else:
             other.append(f"{spec.id}: {summary(comparison)}")
     assert other == []
-    assert sorted(passed) == sorted(list(KERNEL_CHECKS) * len(dumps.case_ids()) * 2)
+    assert sorted(passed) == sorted(KERNEL_CHECKS * len(dumps.case_ids()) * 2)
     layer_skips = {check for check, reason in skipped if "not wired into the adapter yet" in reason}
     assert {"layer", "layer-state", "o_norm", "decode-k1", "chunked-prefill"} <= layer_skips
 

@@ -10,7 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.checks.catalogue import KERNEL_CHECKS, CheckSkipped, CheckSpec, plan
+from conformance.checks import kinds
+from conformance.checks.catalogue import CheckSkipped, CheckSpec, plan
+from conformance.checks.kinds import Check
 from conformance.checks.runner import CheckRunner
 from conformance.checks.truth import COMPUTED_LAYER_TRUTH_SOURCE, recurrence_fp64
 from conformance.cli import main
@@ -153,7 +155,7 @@ def test_the_truth_compares_the_dumped_kernel_inputs_not_the_layer_ones(truth_du
     runner = _runner(truth_dumps)
     for case in CASES:
         for dtype in fmt.DTYPES:
-            for check in KERNEL_CHECKS:
+            for check in (Check(kind) for kind in kinds.KERNEL_KINDS):
                 attribution = runner.run(CheckSpec(case, dtype, check)).comparison.attribution
                 assert attribution.reference.margin < 0.2, (case, dtype, check)
 

@@ -7,6 +7,8 @@ import math
 import numpy as np
 import pytest
 
+from conformance.checks import kinds
+from conformance.checks.kinds import parse_check
 from conformance.checks.reductions import REFERENCE_CHUNK_TOKENS, reduction_of
 from conformance.judging.attribution import error_vs_truth, relative_criteria
 from conformance.judging.reduction import FP32_UNIT_ROUNDOFF, Reduction, head_scale, reduction_limits
@@ -36,7 +38,7 @@ REAL = get_preset("kimi-linear-48b-a3b")
     ],
 )
 def test_each_check_has_the_k_of_its_widest_reduction(check: str, length: int) -> None:
-    assert reduction_of(check, REAL).length == length
+    assert reduction_of(parse_check(check).kind, REAL).length == length
 
 
 def test_the_nrmse_floor_is_sqrt_k_ulps_and_never_below_the_policy() -> None:
@@ -73,7 +75,8 @@ def test_bf16_floors_stay_as_the_policy_sets_them() -> None:
 def test_a_raised_floor_says_where_it_comes_from_and_survives_the_report() -> None:
     truth = np.random.default_rng(1).standard_normal((64, 4096))
     tolerance = POLICY.tolerance("layer", "fp32")
-    limits = reduction_limits(POLICY.relative["fp32"], reduction_of("layer", REAL), truth, tolerance, None)
+    layer = reduction_of(kinds.LAYER, REAL)
+    limits = reduction_limits(POLICY.relative["fp32"], layer, truth, tolerance, None)
     side = error_vs_truth(truth + 1e-6, truth, tolerance)
     _, nrmse = relative_criteria(side, side, limits)
     assert "4096-long fp32 reduction" in nrmse.floor_source
@@ -89,7 +92,7 @@ def test_the_floor_turns_a_3x_worse_summation_green_at_real_size_and_still_fails
     truth = np.random.default_rng(2).standard_normal((256, 32, 128))
     tolerance = POLICY.tolerance("q_after_conv", "fp32")
     limits = reduction_limits(
-        POLICY.relative["fp32"], reduction_of("q_after_conv", REAL), truth, tolerance, 1
+        POLICY.relative["fp32"], reduction_of(kinds.INTERMEDIATE, REAL), truth, tolerance, 1
     )
     bound = limits.factor * 2.8e-7 + limits.nrmse_floor
     assert 2 * 2.8e-7 + 2e-7 < 8.3e-7 < bound

@@ -1,0 +1,241 @@
+"""The kinds of check, one table: what each kind compares, with what, against which truth.
+
+A check is one kind and, for the kinds whose name has a field, its argument: `decode-k8-self` is the
+kind `decode-{run}-self` with the run of 8 decode steps, `serving-mixed-extend-state` the kind
+`serving-{scenario}-state` of the scenario `mixed-extend`. Every reader — the plan, the sides and truth
+of a check (`checks/runner.py`), its reduction (`checks/reductions.py`), the summary's columns, the
+serving checks, the reports — reads the `CheckKind` of a `Check`; none takes a name apart. A name from
+outside (a test, `search`'s replay, a reproducer) becomes a `Check` once, here (`parse_check`).
+
+Adding a kind is one row of `KINDS` and the function that computes its sides (registered for the kind
+in `checks/runner.py`, or in `checks/serving_checks.py` for a serving kind).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+from conformance.judging.positions import DECODE_POSITIONS, LAYER_POSITIONS
+from kda_spec import dump_format as fmt
+
+OUT_AXES = ("token", "channel")
+HEAD_AXES = ("token", "head", "channel")
+STATE_AXES = ("seq", "head", "key", "value")
+CONV_AXES = ("seq", "history", "channel")
+
+# What the adapter methods a kind calls are (`CheckKind.needs`).
+LAYER_CALLS = ("layer_extend",)
+DECODE_CALLS = ("layer_extend", "layer_decode")
+SERVING_CALLS = ("serving_open", "serving_alloc", "serving_free", "serving_forward", "serving_state")
+
+# The truth a kind is judged against (`CheckKind.truth`).
+LAYER_TRUTH = "layer"  # the float64 layer of the dump's inputs and weights (kda_spec.truth), at its rows
+KERNEL_TRUTH = "kernel"  # the float64 recurrence on the dumped kernel inputs
+
+SERVING_GROUP = "serving"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckKind:
+    """One kind of check.
+
+    pattern:  its name; `{arg}` stands for its argument (the decode run, the intermediate, the scenario).
+    group:    the column of the summary table it belongs to.
+    needs:    the adapter methods its computation calls.
+    result:   the layer result it is judged as: `out`, `recurrent_state`, an intermediate's dump name
+              (`{arg}`: the argument's), or for a kernel kind the kernel's `o` or `state`.
+    axes:     the axes of its two sides (an intermediate: the first as many as the reference has).
+    truth:    `LAYER_TRUTH`, `KERNEL_TRUTH`, or None: judged by the absolute gate alone, `no_truth` says
+              why.
+    contract: whether the bf16 precision contract has a model of its result (no rounding point inside
+              the kernels).
+    kernel:   a kernel kind's path as in the dump's keys (`chunk`, `fused_recurrent`).
+    reference: what the implementation's result is compared with, in words (docs, `diff`).
+    """
+
+    pattern: str
+    group: str
+    needs: tuple[str, ...]
+    result: str
+    axes: tuple[str, ...]
+    reference: str
+    truth: str | None = LAYER_TRUTH
+    no_truth: str = ""
+    contract: bool = True
+    kernel: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.truth is None) != bool(self.no_truth):
+            raise ValueError(f"kind {self.pattern!r}: no_truth is the reason for truth None, and only then")
+
+    def __str__(self) -> str:
+        return self.pattern
+
+    @property
+    def has_arg(self) -> bool:
+        return "{arg}" in self.pattern
+
+    def name(self, arg: str | None = None) -> str:
+        """The check's name with this argument (None for a kind without one)."""
+        if self.has_arg != (arg is not None):
+            takes = "an" if self.has_arg else "no"
+            raise ValueError(f"kind {self.pattern!r} takes {takes} argument, got {arg!r}")
+        return self.pattern.replace("{arg}", arg) if arg is not None else self.pattern
+
+    def result_of(self, arg: str | None) -> str:
+        """The layer result a check of this kind is judged as (its stored truth's name)."""
+        return arg if self.result == "{arg}" and arg is not None else self.result
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One check of a case or scenario: its kind and its argument."""
+
+    kind: CheckKind
+    arg: str | None = None
+
+    def __post_init__(self) -> None:
+        self.kind.name(self.arg)  # the argument the kind takes
+
+    @property
+    def name(self) -> str:
+        return self.kind.name(self.arg)
+
+    @property
+    def result(self) -> str:
+        """The layer result it is judged as (`CheckKind.result_of`)."""
+        return self.kind.result_of(self.arg)
+
+    @property
+    def decode_steps(self) -> int | None:
+        """The decode steps of a decode check's run: `k8` → 8; None for `all` (every token)."""
+        if self.arg is None or not self.arg.startswith("k"):
+            return None
+        return int(self.arg[1:])
+
+
+def _kernel(path: str, label: str, which: str) -> CheckKind:
+    state = which == "state"
+    return CheckKind(
+        pattern=f"kernel-{label}{'-state' if state else ''}",
+        group="kernel",
+        needs=(f"{'chunk' if path == 'chunk' else 'recurrent'}_kernel",),
+        result=which,
+        axes=STATE_AXES if state else HEAD_AXES,
+        reference=f"the dump's {'recurrent_state' if state else 'o_kda'}_{path} (the reference kernel on "
+        "the same inputs)",
+        truth=KERNEL_TRUTH,
+        contract=False,
+        kernel=path,
+    )
+
+
+LAYER = CheckKind("layer", "layer", LAYER_CALLS, "out", OUT_AXES, "the dump's out")
+LAYER_STATE = CheckKind(
+    "layer-state", "layer", LAYER_CALLS, "recurrent_state", STATE_AXES,
+    "the dump's final state of the layer's kernel path",
+)  # fmt: skip
+KERNEL_CHUNK = _kernel("chunk", "chunk", "o")
+KERNEL_CHUNK_STATE = _kernel("chunk", "chunk", "state")
+KERNEL_RECURRENT = _kernel("fused_recurrent", "recurrent", "o")
+KERNEL_RECURRENT_STATE = _kernel("fused_recurrent", "recurrent", "state")
+INTERMEDIATE = CheckKind(
+    "{arg}", "intermediate", LAYER_CALLS, "{arg}", HEAD_AXES, "the dump's intermediate of that name"
+)
+DECODE = CheckKind(
+    "decode-{arg}", "decode", DECODE_CALLS, "out", OUT_AXES,
+    "the dump's out at the decoded tokens (prefill of the rest, then one token a step)",
+)  # fmt: skip
+DECODE_SELF = CheckKind(
+    "decode-{arg}-self", "decode", DECODE_CALLS, "out", OUT_AXES,
+    "the implementation's own prefill of the whole case, at the decoded tokens",
+)  # fmt: skip
+CHUNKED_PREFILL = CheckKind(
+    "chunked-prefill", "chunked", LAYER_CALLS, "out", OUT_AXES, "the dump's out (the case in three pieces)"
+)
+CHUNKED_PREFILL_STATE = CheckKind(
+    "chunked-prefill-state", "chunked", LAYER_CALLS, "recurrent_state", STATE_AXES,
+    "the dump's final state (carried across the three pieces)",
+)  # fmt: skip
+BY_POSITION_LAYER = CheckKind(
+    LAYER_POSITIONS, "layer", LAYER_CALLS, "out", OUT_AXES, "the dump's out, window by window"
+)
+BY_POSITION_DECODE = CheckKind(
+    DECODE_POSITIONS, "decode", DECODE_CALLS, "out", OUT_AXES,
+    "the dump's out, window by window, the case's last tokens decoded",
+)  # fmt: skip
+SERVING = CheckKind(
+    "serving-{arg}", SERVING_GROUP, (*SERVING_CALLS, *LAYER_CALLS), "out", OUT_AXES,
+    "each request run alone (one layer_extend from zero states)",
+)  # fmt: skip
+SERVING_STATE = CheckKind(
+    "serving-{arg}-state", SERVING_GROUP, (*SERVING_CALLS, *LAYER_CALLS), "recurrent_state", STATE_AXES,
+    "each request's final state run alone",
+)  # fmt: skip
+SERVING_CONV = CheckKind(
+    "serving-{arg}-conv", SERVING_GROUP, (*SERVING_CALLS, *LAYER_CALLS), "final_conv_state", CONV_AXES,
+    "each request's final conv state run alone", truth=None, no_truth="no float64 truth of the conv state",
+    contract=False,
+)  # fmt: skip
+SERVING_UNTOUCHED = CheckKind(
+    "serving-{arg}-untouched", SERVING_GROUP, SERVING_CALLS, "slot states", (),
+    "the same slots before the forward, to the bit", truth=None,
+    no_truth="bit-exact: no float64 truth applies", contract=False,
+)  # fmt: skip
+SERVING_IDENTICAL = CheckKind(
+    "serving-{arg}-identical", SERVING_GROUP, SERVING_CALLS, "out", (),
+    "the outputs of the scenario it is the same as, to the bit", truth=None,
+    no_truth="bit-exact: no float64 truth applies", contract=False,
+)  # fmt: skip
+
+KINDS = (
+    LAYER,
+    LAYER_STATE,
+    KERNEL_CHUNK,
+    KERNEL_CHUNK_STATE,
+    KERNEL_RECURRENT,
+    KERNEL_RECURRENT_STATE,
+    INTERMEDIATE,
+    DECODE,
+    DECODE_SELF,
+    CHUNKED_PREFILL,
+    CHUNKED_PREFILL_STATE,
+    BY_POSITION_LAYER,
+    BY_POSITION_DECODE,
+    SERVING,
+    SERVING_STATE,
+    SERVING_CONV,
+    SERVING_UNTOUCHED,
+    SERVING_IDENTICAL,
+)
+KERNEL_KINDS = (KERNEL_CHUNK, KERNEL_CHUNK_STATE, KERNEL_RECURRENT, KERNEL_RECURRENT_STATE)
+BY_POSITION_KINDS = (BY_POSITION_LAYER, BY_POSITION_DECODE)
+SERVING_KINDS = tuple(kind for kind in KINDS if kind.group == SERVING_GROUP)
+# The summary table's columns, in the table's order.
+GROUPS = tuple(dict.fromkeys(kind.group for kind in KINDS))
+
+
+def _regex(kind: CheckKind) -> re.Pattern[str]:
+    """The names of `kind`: its pattern with `{arg}` matching the argument its kind allows."""
+    arg = "|".join(map(re.escape, fmt.INTERMEDIATE_KEYS)) if kind is INTERMEDIATE else r"k\d+|all"
+    if kind.group == SERVING_GROUP:
+        arg = r"\S+?"
+    return re.compile(re.escape(kind.pattern).replace(re.escape("{arg}"), f"(?P<arg>{arg})"))
+
+
+# Most specific first: a scenario's name may end as a serving kind's suffix does only where that kind
+# does not apply.
+_MATCHERS = tuple((kind, _regex(kind)) for kind in sorted(KINDS, key=lambda k: -len(k.pattern)))
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_check(name: str) -> Check:
+    """The check a name from outside names (`decode-k8-self`, `serving-mixed-extend-state`); a
+    ValueError naming it and the kinds there are when no kind has that name."""
+    for kind, regex in _MATCHERS:
+        match = regex.fullmatch(name)
+        if match:
+            return Check(kind, match.groupdict().get("arg"))
+    raise ValueError(f"no check is named {name!r}; the kinds are {[kind.pattern for kind in KINDS]}")
