@@ -1,8 +1,9 @@
 """`python -m conformance {run,gate,diff,verify,power,search}` (docs/cli.md).
 
-Exit codes: 0 all holds; 1 a check or stage out of tolerance, a gate breach, or a search's finding; 2 a
-usage error, an unreadable or broken dump set or report, an interrupted or incomplete run; 3 the
-implementation under test raised, timed out or broke the adapter contract.
+Exit codes (`conformance/exit_codes.py`): 0 all holds; 1 a check or stage out of tolerance, a gate
+breach, or a search's finding; 2 a usage error, an unreadable or broken dump set or report, an
+interrupted or incomplete run; 3 the implementation under test raised, timed out or broke the adapter
+contract.
 """
 
 from __future__ import annotations
@@ -23,14 +24,10 @@ from conformance.adapter import (
     load_adapter_class,
     parse_option_pairs,
 )
-from conformance.adapters.guard import (
-    EXIT_IMPLEMENTATION,
-    CallWatchdog,
-    ImplementationFault,
-    checked_call_timeout,
-)
+from conformance.adapters.guard import CallWatchdog, ImplementationFault, checked_call_timeout
 from conformance.dumps.bundled import NoBundledSet, dumps_or_bundled
 from conformance.dumps.reader import DumpError, DumpSet, open_verified
+from conformance.exit_codes import ExitCode
 from conformance.policy import DEFAULT_POLICY_FILE, TolerancePolicy, check_growth_factor
 from conformance.reports.output_files import check_writable_file
 from conformance.runtime.compile_cache import enable_compile_cache
@@ -44,8 +41,6 @@ from kda_spec.extras import MissingExtra, missing_extra, require
 
 if TYPE_CHECKING:
     from conformance.suite.options import SuiteOptions
-
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 
 class UsageError(Exception):
@@ -171,7 +166,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     print(
         f"{dumps.label}: format v1, {len(dumps.cases)} cases, {files} files, every sha256 and key checked: ok"
     )
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _impl_options(args: argparse.Namespace) -> dict[str, str]:
@@ -211,7 +206,7 @@ def _implementation_fault(message: str, trace: str) -> int:
     """The implementation could not be imported or built: one `error:` line, its traceback once."""
     print(f"error: {message}", file=sys.stderr)
     print(trace.rstrip(), file=sys.stderr)
-    return EXIT_IMPLEMENTATION
+    return ExitCode.IMPLEMENTATION
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -238,25 +233,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.exitfirst:
         pytest_args.append("-x")
     pytest_args += args.pytest_args
-    code = int(pytest.main(pytest_args, plugins=[SuiteHooks(session)]))
-    verdict = session.exit_code(code)
-    if verdict is not None:
-        return verdict
-    unchecked = session.nothing_checked(code, args.keyword)
-    if unchecked:
-        raise UsageError(unchecked)
-    return EXIT_OK if code == 0 else EXIT_USAGE
+    code = pytest.main(pytest_args, plugins=[SuiteHooks(session)])
+    status = session.status()
+    if status.exit_code is ExitCode.OK:  # the checks hold: pytest's own trouble (an internal error) is 2
+        return ExitCode.OK if code == pytest.ExitCode.OK else ExitCode.USAGE
+    if status.nothing_checked:
+        raise UsageError(session.nothing_checked(args.keyword))
+    return status.exit_code
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    from conformance.tools.gate import (
-        ReportError,
-        breaches,
-        dump_set_mismatch,
-        has_implementation_faults,
-        load_report,
-        status_counts,
-    )
+    from conformance.tools.gate import ReportError, breaches, dump_set_mismatch, gate_status, load_report
 
     policy = _policy(args.tolerances)
     with _usage_errors():
@@ -277,17 +264,17 @@ def cmd_gate(args: argparse.Namespace) -> int:
         raise UsageError(
             f"{args.report} against {args.baseline}: {mismatch}; --allow-different-dumps to go on"
         )
-    counts = status_counts(report)
-    totals = ", ".join(f"{count} {status}" for status, count in counts.items())
+    status = gate_status(report, found)
+    totals = ", ".join(f"{count} {name}" for name, count in status.counts.items())
     if found:
         print(f"gate: FAIL ({len(found)} breach{'es' if len(found) > 1 else ''}; {totals})")
         for line in found:
             print(f"  {line}")
-        return EXIT_IMPLEMENTATION if has_implementation_faults(report) else EXIT_FAIL
-    against = f" against baseline {args.baseline} (growth ≤ ×{factor:g})" if baseline else ""
-    on = f", made on {required}" if required else ""
-    print(f"gate: ok ({totals}){on}{against}")
-    return EXIT_OK
+    else:
+        against = f" against baseline {args.baseline} (growth ≤ ×{factor:g})" if baseline else ""
+        on = f", made on {required}" if required else ""
+        print(f"gate: ok ({totals}){on}{against}")
+    return status.exit_code
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -303,7 +290,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
             check_writable_file(Path(args.png), "--png")  # before the run, not after it
     adapter_class, options = _adapter(args)
     enable_compile_cache()
-    watchdog = CallWatchdog(_call_timeout(args), EXIT_IMPLEMENTATION)
+    watchdog = CallWatchdog(_call_timeout(args))
     runner = CheckRunner(dumps, adapter_class, args.kernel, _policy(args.tolerances), options, watchdog)
     if not runner.case(args.case).has_dtype(args.dtype):
         raise UsageError(f"case {args.case!r} of {dumps.label} has no {args.dtype} run")
@@ -326,7 +313,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         except OSError as err:
             raise UsageError(f"--png {args.png}: cannot write the heatmap ({err})") from None
         print(f"heatmap of {name} written to {args.png}")
-    return EXIT_OK if first is None else EXIT_FAIL
+    return ExitCode.OK if first is None else ExitCode.FAIL
 
 
 def cmd_power(args: argparse.Namespace) -> int:
@@ -343,7 +330,7 @@ def cmd_power(args: argparse.Namespace) -> int:
     print(f"power: reports in {args.report_dir}; goals " + ("met" if not missed else "MISSED:"))
     for reason in missed:
         print(f"  {reason}")
-    return EXIT_FAIL if missed else EXIT_OK
+    return ExitCode.FAIL if missed else ExitCode.OK
 
 
 def cmd_search(args: argparse.Namespace) -> int:
@@ -369,7 +356,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         policy=_policy(args.tolerances), dumps=dumps, preset=args.preset, dtypes=dtypes,
         budget_s=args.budget, seed=args.seed, out=Path(args.out), max_tokens=args.max_tokens,
         max_seqs=args.max_seqs, shrink_budget_s=args.shrink_budget, progress=not args.no_progress,
-        watchdog=CallWatchdog(_call_timeout(args), EXIT_IMPLEMENTATION),
+        watchdog=CallWatchdog(_call_timeout(args)),
     )  # fmt: skip
     try:
         return run_serving_search(search) if serving else run_search(search)
@@ -411,12 +398,12 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except (UsageError, DumpError, NoBundledSet, MissingExtra) as err:
         print(f"error: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     except ModuleNotFoundError as err:  # an optional dependency the command imports on its way
         missing = missing_extra(err, args.command)
         if missing is None:
             raise
         print(f"error: {missing}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     except AdapterImportError as err:
         return _implementation_fault(str(err), err.traceback_text)

@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from conformance.adapter import LayerResult, own_traceback
+from conformance.exit_codes import ExitCode
 from kda_spec import dump_format as fmt
 
 #: What the suite accepts as a float result: float32, or a dtype that float32 holds exactly.
@@ -36,8 +37,6 @@ EXACT_IN_FLOAT32 = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype
 LAYER_KERNEL_OUTPUT = "o_kda"
 INTERMEDIATE_NAMES = (*fmt.INTERMEDIATE_KEYS, *fmt.OPTIONAL_KEYS, LAYER_KERNEL_OUTPUT)
 FAULT_KINDS = ("raised", "timeout", "contract")
-#: The exit code of a run in which the implementation under test raised, timed out or broke the contract.
-EXIT_IMPLEMENTATION = 3
 #: `--call-timeout`'s default: far above any honest call on a 2-core CPU at the real preset (the longest,
 #: a 16384-token prefill with its compile, takes well under a minute there).
 DEFAULT_CALL_TIMEOUT_S = 900.0
@@ -259,13 +258,11 @@ class CallWatchdog:
     The watchdog is a timer thread, so that it also fires while the call is stuck in native code (a
     deadlocked collective, a hung device) where no Python exception can reach it: `on_expiry(call,
     elapsed_s)` writes what the run has so far and returns lines for the user, and the process exits
-    with `exit_code`.
+    with `ExitCode.IMPLEMENTATION`.
     """
 
-    def __init__(
-        self, timeout_s: float, exit_code: int, on_expiry: Callable[[str, float], list[str]] | None = None
-    ):
-        self.timeout_s, self.exit_code = checked_call_timeout(timeout_s), exit_code
+    def __init__(self, timeout_s: float, on_expiry: Callable[[str, float], list[str]] | None = None):
+        self.timeout_s = checked_call_timeout(timeout_s)
         self.on_expiry = on_expiry
         # The real stderr, saved before pytest captures the file descriptors: the last words go there.
         self._stderr = os.dup(2) if timeout_s else None
@@ -296,7 +293,7 @@ class CallWatchdog:
         finally:
             if self._stderr is not None:
                 os.write(self._stderr, "\n".join([*lines, ""]).encode())
-            os._exit(self.exit_code)
+            os._exit(ExitCode.IMPLEMENTATION)
 
 
 # ----------------------------------------------------------------------------------------------- call

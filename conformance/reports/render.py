@@ -5,10 +5,15 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from conformance.reports.faults import fault_lines
 from conformance.judging.measurement import percent
-from conformance.reports.report import STATUSES
+from conformance.reports.faults import fault_lines
 from conformance.reports.json_file import json_safe
+from conformance.reports.platform import (
+    interpret_warning,
+    platform_lines,
+    platform_markdown,
+)
+from conformance.reports.run_status import STATUSES
 from conformance.reports.tables import (
     ATTRIBUTION_NOTE,
     attribution_rows,
@@ -19,11 +24,6 @@ from conformance.reports.tables import (
     summary_rows,
     truth_error_text,
     verdict_text,
-)
-from conformance.reports.platform import (
-    interpret_warning,
-    platform_lines,
-    platform_markdown,
 )
 
 #: The terminal lists at most this many failing checks (or groups of checks with one message).
@@ -47,19 +47,6 @@ def _where(metrics: dict[str, Any]) -> str:
     return ", ".join(f"{axis} {i}" for axis, i in metrics.get("worst", {}).get("index", {}).items())
 
 
-def verdict_word(report: dict[str, Any]) -> str:
-    """PASS, FAIL (out of tolerance), ERROR (the implementation or the checker raised), INCOMPLETE (the
-    run stopped before its plan ran), or NOTHING CHECKED (every check skipped)."""
-    counts = report["summary"]
-    if not report["completion"]["complete"]:
-        return "INCOMPLETE"
-    if counts["error"]:
-        return "ERROR"
-    if counts["failed"]:
-        return "FAIL"
-    return "PASS" if counts["passed"] else "NOTHING CHECKED"
-
-
 def _skip_reasons(report: dict[str, Any], shown: int = 2) -> str:
     reasons = collections.Counter(c["message"] for c in report["checks"] if c["status"] == "skipped")
     text = "; ".join(f"{n}: {reason}" for reason, n in reasons.most_common(shown))
@@ -73,8 +60,8 @@ def _count(n: int, noun: str) -> str:
 
 
 def headline(report: dict[str, Any]) -> str:
-    """The first line of every summary: the verdict, what was checked, what was skipped and why, and
-    how far an incomplete run got."""
+    """The first line of every summary: the verdict (the report's `verdict`, `run_status` decided it),
+    what was checked, what was skipped and why, and how far an incomplete run got."""
     counts, completion = report["summary"], report["completion"]
     checked = counts["passed"] + counts["failed"]
     parts = [f"{checked} checked" + (f" ({counts['failed']} out of tolerance)" if counts["failed"] else "")]
@@ -82,7 +69,7 @@ def headline(report: dict[str, Any]) -> str:
         errors, faults = counts["error"], len(report["faults"])
         parts.append(f"{_count(errors, 'error')} ({_count(faults, 'distinct implementation fault')})")
     parts.append(f"{counts['skipped']} skipped{_skip_reasons(report)}")
-    line = f"{verdict_word(report)}: " + ", ".join(parts)
+    line = f"{report['verdict']}: " + ", ".join(parts)
     if not completion["complete"]:
         line += (
             f"; {completion['ran']} of {completion['planned']} planned checks ran: {completion['stopped']}"
@@ -191,7 +178,7 @@ def markdown(report: dict[str, Any]) -> str:
     impl, env, counts = report["implementation"], report["environment"], report["summary"]
     manifest = report["dumps"]["manifest"]
     reference = manifest.get("reference", {})
-    word = verdict_word(report)
+    word = report["verdict"]
     reference_warning = reference_precision_warning(report)
     lines = [
         "# KDA conformance report",

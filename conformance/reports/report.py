@@ -9,10 +9,10 @@ from typing import Any
 from conformance.checks.catalogue import CheckSpec
 from conformance.judging.comparison import Comparison
 from conformance.reports.check_record import metrics
+from conformance.reports.run_status import RunStatus, Stop, run_status
 
 REPORT_FORMAT = "kda-conformance-report"
 REPORT_VERSION = 2
-STATUSES = ("passed", "failed", "error", "skipped")
 
 
 @dataclasses.dataclass
@@ -20,7 +20,7 @@ class Record:
     """The outcome of one check."""
 
     spec: CheckSpec
-    status: str  # one of STATUSES
+    status: str  # one of run_status.STATUSES, as `check_status` decides it
     message: str
     duration_s: float
     comparison: Comparison | None = None
@@ -47,11 +47,9 @@ class Record:
         }
 
 
-def summary_counts(records: list[Record], close_margin: float) -> dict[str, int]:
-    counts = {status: sum(r.status == status for r in records) for status in STATUSES}
-    counts["close_to_limit"] = sum(r.close_to_limit(close_margin) for r in records)
-    counts["total"] = len(records)
-    return counts
+def records_status(records: list[Record], planned: int, faulted: bool, stop: Stop | None) -> RunStatus:
+    """Where the run of `records` stands (`run_status`)."""
+    return run_status([record.status for record in records], planned, faulted, stop)
 
 
 def build_report(
@@ -59,25 +57,33 @@ def build_report(
     meta: dict[str, Any],
     close_margin: float,
     planned: int | None = None,
-    stopped: str | None = None,
+    stop: Stop | None = None,
 ) -> dict[str, Any]:
-    """The report of `records`; a run that `stopped` early (why), or ran fewer checks than it `planned`
-    (default: as many as it ran), is incomplete."""
+    """The report of `records`, with the run's verdict word (`run_status`; faulted when `meta` lists
+    faults); a run that stopped early (`stop`), or ran fewer checks than it `planned` (default: as many
+    as it ran), is incomplete."""
     planned = len(records) if planned is None else planned
+    status = records_status(records, planned, bool(meta.get("faults")), stop)
     completion = {
-        "complete": stopped is None and len(records) >= planned,
+        "complete": status.complete,
         "planned": planned,
         "ran": len(records),
-        "stopped": stopped,
+        "stopped": None if stop is None else stop.text,
+    }
+    summary = {
+        **status.counts,
+        "close_to_limit": sum(record.close_to_limit(close_margin) for record in records),
+        "total": len(records),
     }
     return {
         "format": REPORT_FORMAT,
         "version": REPORT_VERSION,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "verdict": status.verdict,
         "completion": completion,
         "faults": [],
         "checker_errors": [],
         **meta,
-        "summary": summary_counts(records, close_margin),
+        "summary": summary,
         "checks": [record.as_dict(close_margin) for record in records],
     }

@@ -18,6 +18,7 @@ from rich.console import Console
 from conformance.adapter import KDAAdapter
 from conformance.adapters.guard import CallWatchdog
 from conformance.dumps.reader import DumpSet
+from conformance.exit_codes import ExitCode
 from conformance.policy import TolerancePolicy
 from conformance.reports.json_file import write_json
 from conformance.search import reproducer
@@ -31,7 +32,6 @@ from kda_spec.synthetic_weights import stress_weights, synthetic_weights
 from kda_spec.weight_names import FP32_WEIGHTS
 
 STRESS = "stress"
-EXIT_CLEAN, EXIT_FOUND = 0, 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +134,7 @@ def run_search(options: SearchOptions, console: Console | None = None) -> int:
     }
     write_json(report, options.out / REPORT_FILE)
     console.print(f"report: {options.out / REPORT_FILE}")
-    return EXIT_CLEAN if finding is None else EXIT_FOUND
+    return ExitCode.OK if finding is None else ExitCode.FAIL
 
 
 def _found(options: SearchOptions, judge: Judge, finding: Finding, console: Console) -> dict:

@@ -25,13 +25,13 @@ from conformance.checks.runner import CheckRunner
 from conformance.checks.serving_checks import ServingChecks
 from conformance.checks.serving_scenarios import Scenario, write_scenarios
 from conformance.dumps.reader import DumpSet
+from conformance.exit_codes import ExitCode
 from conformance.reports.check_record import summary
 from conformance.reports.json_file import write_json
 from conformance.search.command import SearchOptions, replay_command
 from conformance.search.explore import Budget
 from conformance.search.serving_space import schedule_strategy
 
-EXIT_CLEAN, EXIT_FOUND, EXIT_CANNOT_ANSWER = 0, 1, 2
 SCENARIO_FILE = "scenarios.json"
 REPORT_FILE = "serving-search.json"
 
@@ -117,14 +117,14 @@ def run_serving_search(options: SearchOptions) -> int:
         }
     write_json(report, options.out / REPORT_FILE)
     if cannot_answer is not None:
-        return EXIT_CANNOT_ANSWER
+        return ExitCode.USAGE
     if found is None:
         print(f"serving search: {judge.tried} schedules, none failed ({clock.elapsed():.0f} s)")
-        return EXIT_CLEAN
+        return ExitCode.OK
     write_scenarios([found], options.out / SCENARIO_FILE)
     print(f"serving search: failing schedule after {judge.tried} schedules: {judge.failures[found]}")
     print(f"shrunk to {_size(found)}; replay: {replay}")
-    return EXIT_FOUND
+    return ExitCode.FAIL
 
 
 def _search(judge: ScheduleJudge, options: SearchOptions) -> Scenario | None:

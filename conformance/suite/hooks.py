@@ -10,12 +10,11 @@ from typing import Any
 
 import pytest
 
-from conformance.adapters.guard import one_line
 from conformance.checks.catalogue import CheckSpec
-from conformance.reports.check_record import summary
+from conformance.exit_codes import ExitCode
 from conformance.reports.render import terminal_lines
 from conformance.suite import SUITE_FILE
-from conformance.suite.session import EXIT_USAGE, ConformanceSession
+from conformance.suite.session import ConformanceSession
 
 SESSION = pytest.StashKey[ConformanceSession]()
 
@@ -28,9 +27,10 @@ def _spec(item: pytest.Item) -> CheckSpec | None:
 
 class SuiteHooks:
     """A pytest plugin: the suite's tests of `session`'s checks. With `owns_exit_status` (the plugin in
-    another repository's pytest) it also sets the run's exit status as `kda-conform run` would (3 an
-    implementation fault, 2 an interrupt or nothing checked, 1 a check out of tolerance) wherever the
-    checks have a verdict; `kda-conform run` decides its exit status itself."""
+    another repository's pytest) it also sets the run's exit status to the session's (`run_status`: 3
+    an implementation fault, 2 an interrupt or nothing checked, 1 a check out of tolerance) wherever the
+    checks do not hold, and leaves pytest's where they do; `kda-conform run` sets its exit status
+    itself, from the same status."""
 
     def __init__(self, session: ConformanceSession, owns_exit_status: bool = False):
         self.session = session
@@ -50,29 +50,27 @@ class SuiteHooks:
             metafunc.parametrize("spec", specs, ids=[spec.id for spec in specs])
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        self.session.planned = sum(_spec(item) is not None for item in session.items)
+        self.session.select([spec for spec in map(_spec, session.items) if spec is not None])
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(
         self, item: pytest.Item, call: pytest.CallInfo
     ) -> Generator[None, Any, Any]:
-        """Record each check's outcome: the call's, or a setup phase that did not pass."""
+        """Record what the session's `check` did not see: a phase of pytest's around a check (its setup,
+        its teardown) that did not pass, or a call pytest itself ended (a plugin's timeout); the check
+        records its own outcome."""
         report = yield
         spec = _spec(item)
-        if spec is None or (report.when != "call" and report.passed):
+        if spec is None or report.passed or (report.when == "call" and self.session.has_record(spec)):
             return report
-        session = self.session
-        if report.passed:
-            status, message = "passed", summary(session.results[spec.id].comparison)
-        elif report.skipped:
-            status, message = "skipped", str(call.excinfo.value) if call.excinfo else str(report.longrepr)
-        elif call.excinfo is not None and not call.excinfo.errisinstance(pytest.fail.Exception):
-            status, message = "error", session.checker_error(call.excinfo)
+        excinfo = call.excinfo
+        if excinfo is None:
+            message = report.longreprtext
+        elif report.skipped or excinfo.errisinstance(pytest.fail.Exception):
+            message = str(excinfo.value)  # the reason pytest.skip or pytest.fail was given
         else:
-            status = "failed" if report.when == "call" else "error"
-            text = call.excinfo.exconly() if call.excinfo else report.longreprtext
-            message = text.removeprefix("Failed: ")
-        session.record(spec, status, one_line(message, 400), report.duration)
+            message = self.session.checker_error(excinfo.value)
+        self.session.record(spec, message, report.duration, skipped=report.skipped)
         return report
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
@@ -82,13 +80,12 @@ class SuiteHooks:
         self.final_report = conformance.write_reports()
         if not self.owns_exit_status:
             return
-        verdict = conformance.exit_code(exitstatus)
-        if verdict is None:
-            keyword = session.config.getoption("keyword")
-            self.nothing_checked = conformance.nothing_checked(exitstatus, keyword)
-            verdict = EXIT_USAGE if self.nothing_checked else None
-        if verdict is not None:
-            session.exitstatus = verdict
+        status = conformance.status()
+        if status.exit_code is ExitCode.OK:
+            return
+        if status.nothing_checked:
+            self.nothing_checked = conformance.nothing_checked(session.config.getoption("keyword"))
+        session.exitstatus = status.exit_code
 
     def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:
         if self.final_report is None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
+from conformance.exit_codes import ExitCode
 from conformance.suite.options import add_implementation_options, add_selection_options
 
 if TYPE_CHECKING:
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
 
 PREFIX = "kda-"  # every option of the plugin: --kda-impl, --kda-dumps, …
 DEFAULT_REPORT_DIR = "reports/kda-conformance"  # a folder of its own: a run clears its report files
-EXIT_USAGE = 2
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -51,7 +51,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("kda_impl") is None:
         return  # inert
     if getattr(config, "workerinput", None) is not None or config.getoption("numprocesses", None):
-        _stop(EXIT_USAGE, "--kda-impl runs the suite in one process: add -p no:xdist (or -n 0)")
+        _stop(ExitCode.USAGE, "--kda-impl runs the suite in one process: add -p no:xdist (or -n 0)")
     from conformance.suite.hooks import SuiteHooks
 
     session = _start(config)
@@ -64,7 +64,7 @@ def _start(config: pytest.Config) -> ConformanceSession:
     stops pytest with run's exit status and one line (an implementation that cannot be imported or
     built: its traceback too)."""
     from conformance.adapter import AdapterImportError
-    from conformance.adapters.guard import EXIT_IMPLEMENTATION, ImplementationFault
+    from conformance.adapters.guard import ImplementationFault
     from conformance.dumps.reader import DumpError
     from conformance.runtime.cpu_compile import prefer_fast_cpu_compile
     from conformance.suite.options import suite_options
@@ -76,18 +76,18 @@ def _start(config: pytest.Config) -> ConformanceSession:
     try:
         return start_session(suite_options(get, Path(get("report_dir"))))
     except (ValueError, DumpError, MissingExtra) as err:
-        _stop(EXIT_USAGE, str(err))
+        _stop(ExitCode.USAGE, str(err))
     except AdapterImportError as err:
-        _stop(EXIT_IMPLEMENTATION, str(err), err.traceback_text)
+        _stop(ExitCode.IMPLEMENTATION, str(err), err.traceback_text)
     except ImplementationFault as fault:
-        _stop(EXIT_IMPLEMENTATION, fault.message, fault.traceback_text)
+        _stop(ExitCode.IMPLEMENTATION, fault.message, fault.traceback_text)
 
 
 def _option(config: pytest.Config, name: str) -> Any:
     return config.getoption(f"{PREFIX.replace('-', '_')}{name}")
 
 
-def _stop(code: int, message: str, trace: str | None = None) -> NoReturn:
+def _stop(code: ExitCode, message: str, trace: str | None = None) -> NoReturn:
     if trace:
         print(trace.rstrip(), file=sys.stderr)
     pytest.exit(f"kda-conformance: {message}", returncode=code)

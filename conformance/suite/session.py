@@ -11,16 +11,10 @@ from typing import Any
 import pytest
 
 from conformance.adapter import load_adapter_class
-from conformance.adapters.guard import (
-    EXIT_IMPLEMENTATION,
-    CallWatchdog,
-    FaultLog,
-    ImplementationFault,
-    one_line,
-)
+from conformance.adapters.guard import CallWatchdog, FaultLog, ImplementationFault, one_line
 from conformance.checks.catalogue import CheckSkipped, CheckSpec, plan
 from conformance.checks.kinds import SERVING_GROUP
-from conformance.checks.runner import CheckResult, CheckRunner
+from conformance.checks.runner import CheckRunner
 from conformance.checks.serving_checks import ServingChecks
 from conformance.checks.serving_scenarios import fixed_scenarios, load_scenarios, scenario_set_name
 from conformance.dumps.bundled import is_bundled
@@ -32,20 +26,22 @@ from conformance.reports.json_file import write_json
 from conformance.reports.junit import write_junit
 from conformance.reports.positions import write_files as write_position_files
 from conformance.reports.render import markdown
-from conformance.reports.report import Record, build_report
+from conformance.reports.report import Record, build_report, records_status
+from conformance.reports.run_status import RunStatus, Stop, StopKind, check_status
 from conformance.runtime.environment import environment
 from conformance.suite.options import SuiteOptions
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-EXIT_FAIL, EXIT_USAGE = 1, 2  # docs/cli.md: a check out of tolerance; an interrupted run, nothing checked
+_RECORD_MESSAGE_LIMIT = 400  # a record's message, on one line
 
 
 class ConformanceSession:
     """Opens the dump set and the implementation, runs checks and keeps their records.
 
-    `planned` is how many checks the run set out to run (after `-k`); `stopped` says why it ended before
-    running them all (an interrupt, a call timeout, an implementation that could not be built, `-x`),
-    None while it has not. Every report says both.
+    `specs` is the run's plan: every check of the options' selection, narrowed to those pytest selected
+    (`-k`, `-m`, `--deselect`) once it has collected them (`select`); `planned` is how many. `stop` says
+    how the run ended before running them all (an interrupt, a call timeout, an implementation that
+    could not be built, `-x`), None while it has not. Every report says both.
     """
 
     def __init__(self, options: SuiteOptions, dumps: DumpSet | None = None):
@@ -55,7 +51,7 @@ class ConformanceSession:
         self.policy = TolerancePolicy.load(options.tolerances)
         adapter_class = load_adapter_class(options.impl)
         adapter_class.parse_options(options.impl_options)  # a bad option stops the run before any check
-        self.watchdog = CallWatchdog(options.call_timeout_s, EXIT_IMPLEMENTATION, self._on_call_timeout)
+        self.watchdog = CallWatchdog(options.call_timeout_s, self._on_call_timeout)
         self.runner = CheckRunner(
             self.dumps, adapter_class, options.kernel, self.policy, options.impl_options, self.watchdog
         )
@@ -65,11 +61,9 @@ class ConformanceSession:
         self.specs = plan(self.dumps, self.dumps.case_ids(options.cases), options.dtypes)
         if options.cases is None or options.scenarios is not None:  # --cases alone picks dump cases only
             self.specs += self.serving.plan(options.dtypes)
-        self.planned = len(self.specs)
         self.records: list[Record] = []
-        self.results: dict[str, CheckResult] = {}
         self.checker_errors: dict[str, str] = {}  # a bug of the checker itself: its traceback, once
-        self.stopped: str | None = None
+        self.stop: Stop | None = None
         self.started = time.monotonic()
         self._current: CheckSpec | None = None
         self._signal: str | None = None
@@ -79,6 +73,14 @@ class ConformanceSession:
     def faults(self) -> FaultLog:
         return self.runner.calls.faults
 
+    @property
+    def planned(self) -> int:
+        return len(self.specs)
+
+    def select(self, specs: list[CheckSpec]) -> None:
+        """The plan narrowed to the checks pytest collected and selected."""
+        self.specs = specs
+
     def build_implementation(self) -> None:
         """Build the implementation of every planned dtype before any check runs; an
         `ImplementationFault` (the adapter's constructor raised) is the end of the run."""
@@ -86,26 +88,36 @@ class ConformanceSession:
             try:
                 self.runner.calls.adapter(dtype)
             except ImplementationFault as fault:
-                self.stopped = f"the implementation could not be built: {fault.message}"
+                self.stop = Stop(StopKind.NOT_BUILT, fault.message)
                 raise
 
     # ----------------------------------------------------------------------------------------- checks
 
-    def check(self, spec: CheckSpec) -> CheckResult:
-        """Run one check; a check that cannot run skips the test with the reason, one the implementation
-        faulted in fails it with the fault's one line."""
+    def check(self, spec: CheckSpec) -> None:
+        """Run one check and record its outcome, then end its test as pytest must count it: a check
+        that cannot run skips with the reason; one out of tolerance, or that the implementation faulted
+        in, fails with its one line; a bug of the checker raises on as it is."""
         self._current = spec
+        started = time.monotonic()
         try:
             result = self.serving.run(spec) if spec.group == SERVING_GROUP else self.runner.run(spec)
         except CheckSkipped as skip:
+            self.record(spec, str(skip), time.monotonic() - started, skipped=True)
             pytest.skip(str(skip))
         except ImplementationFault as fault:
             self.faults.add_check(fault, spec.id)
+            self.record(spec, fault.message, time.monotonic() - started)
             pytest.fail(fault.message, pytrace=False)
+        except Exception as err:
+            self.record(spec, self.checker_error(err), time.monotonic() - started)
+            raise
         finally:
             self._current = None
-        self.results[spec.id] = result
-        return result
+        comparison = result.comparison
+        message = summary(comparison) if comparison.passed else self.failure_text(spec, comparison)
+        self.record(spec, message, time.monotonic() - started, comparison)
+        if not comparison.passed:
+            pytest.fail(message, pytrace=False)
 
     def failure_text(self, spec: CheckSpec, comparison: Comparison) -> str:
         """A failed check's one line: its summary, after a note first (so that no cut loses it) for an
@@ -115,17 +127,30 @@ class ConformanceSession:
             return f"{note}: {summary(comparison)}"
         return summary(comparison)
 
-    def record(self, spec: CheckSpec, status: str, message: str, duration_s: float) -> None:
-        result = self.results.get(spec.id)
-        if status == "failed" and result is None:
-            status = "error"  # an exception, not a result out of tolerance
-        self.records.append(Record(spec, status, message, duration_s, result and result.comparison))
+    def record(
+        self,
+        spec: CheckSpec,
+        message: str,
+        duration_s: float,
+        comparison: Comparison | None = None,
+        skipped: bool = False,
+    ) -> None:
+        """Record a check's outcome, its status as `check_status` decides it: skipped, its comparison's
+        verdict, or an error where it has none."""
+        status = check_status(comparison, skipped)
+        self.records.append(
+            Record(spec, status, one_line(message, _RECORD_MESSAGE_LIMIT), duration_s, comparison)
+        )
 
-    def checker_error(self, excinfo: pytest.ExceptionInfo[BaseException]) -> str:
+    def has_record(self, spec: CheckSpec) -> bool:
+        """Whether the last record is `spec`'s: its check recorded its outcome."""
+        return bool(self.records) and self.records[-1].spec == spec
+
+    def checker_error(self, err: BaseException) -> str:
         """A check that raised outside the implementation: a bug of the checker. Its traceback is kept
         once per distinct exception; the check's message is one line."""
-        line = one_line(excinfo.exconly())
-        self.checker_errors.setdefault(line, "".join(traceback.format_exception(excinfo.value)))
+        line = one_line("".join(traceback.format_exception_only(err)))
+        self.checker_errors.setdefault(line, "".join(traceback.format_exception(err)))
         return f"checker error (a bug of the conformance suite): {line}"
 
     # ------------------------------------------------------------------------------------ how it ends
@@ -146,13 +171,13 @@ class ConformanceSession:
         raise KeyboardInterrupt(self._signal)
 
     def finish(self, interrupted: bool, exit_first: bool) -> None:
-        """Say why the run stopped early, if it did."""
-        if self.stopped is not None:
+        """Say how the run stopped early, if it did."""
+        if self.stop is not None:
             return
         if interrupted:
-            self.stopped = f"interrupted by {self._signal or 'KeyboardInterrupt'}"
+            self.stop = Stop(StopKind.INTERRUPTED, self._signal or "KeyboardInterrupt")
         elif len(self.records) < self.planned:
-            self.stopped = "stopped at the first failing check (-x)" if exit_first else "stopped early"
+            self.stop = Stop(StopKind.FIRST_FAILURE if exit_first else StopKind.EARLY)
 
     def _on_call_timeout(self, call: str, elapsed_s: float) -> list[str]:
         """The watchdog's last act (from its thread, while the call is still stuck): the check in progress
@@ -166,8 +191,8 @@ class ConformanceSession:
         spec = self._current
         if spec is not None:
             self.faults.add_check(fault, spec.id)
-            self.records.append(Record(spec, "error", fault.message, elapsed_s, None))
-        self.stopped = fault.message
+            self.record(spec, fault.message, elapsed_s)
+        self.stop = Stop(StopKind.CALL_TIMEOUT, fault.message)
         self.write_reports()
         folder = self.options.report_dir
         return (
@@ -176,34 +201,25 @@ class ConformanceSession:
             else []
         )
 
-    def nothing_checked(self, pytest_code: int, keyword: str | None) -> str | None:
-        """Why a finished run compared nothing (no check selected, or every check skipped), else None."""
-        if pytest_code == pytest.ExitCode.NO_TESTS_COLLECTED or self.planned == 0:
+    def status(self) -> RunStatus:
+        """Where the run stands so far: its verdict and exit code (`run_status`)."""
+        return records_status(self.records, self.planned, bool(self.faults), self.stop)
+
+    def nothing_checked(self, keyword: str | None) -> str:
+        """Why a run whose status is `nothing_checked` compared nothing: no check selected (`-k
+        keyword` matching none), or every check skipped."""
+        if not self.planned:
             if keyword:
                 return (
                     f"nothing was checked: -k {keyword!r} matches no check "
                     "(check ids read <case>-<dtype>-<check>, as T65-fp32-layer)"
                 )
             return "nothing was checked: no check was selected"
-        if self.records and all(record.status == "skipped" for record in self.records):
-            first = self.records[0]
-            return (
-                f"nothing was checked: all {len(self.records)} checks were skipped "
-                f"(as {first.spec.id}: {first.message})"
-            )
-        return None
-
-    def exit_code(self, pytest_code: int) -> int | None:
-        """The run's exit code (docs/cli.md): 3 when the implementation faulted, 2 when it was
-        interrupted, 1 when a check is out of tolerance; None when nothing else is wrong (the caller
-        still needs something checked for 0)."""
-        if self.faults:
-            return EXIT_IMPLEMENTATION
-        if pytest_code == pytest.ExitCode.INTERRUPTED or (self.stopped or "").startswith("interrupted"):
-            return EXIT_USAGE
-        if any(record.status in ("failed", "error") for record in self.records):
-            return EXIT_FAIL
-        return None
+        first = self.records[0]
+        return (
+            f"nothing was checked: all {len(self.records)} checks were skipped "
+            f"(as {first.spec.id}: {first.message})"
+        )
 
     # ---------------------------------------------------------------------------------------- reports
 
@@ -242,7 +258,7 @@ class ConformanceSession:
                 "dtypes": self.options.dtypes,
             },
         }
-        return build_report(self.records, meta, self.policy.close_margin, self.planned, self.stopped)
+        return build_report(self.records, meta, self.policy.close_margin, self.planned, self.stop)
 
     def write_reports(self) -> dict[str, Any]:
         """The report of the run so far, written as report.json, report.md and junit.xml into the report

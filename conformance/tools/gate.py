@@ -16,7 +16,8 @@ from typing import Any
 from conformance.judging.verdict import MODE_GATES, Verdict, decide
 from conformance.reports.check_record import criterion_from_record
 from conformance.reports.platform import devices_label
-from conformance.reports.report import REPORT_FORMAT, REPORT_VERSION, STATUSES
+from conformance.reports.report import REPORT_FORMAT, REPORT_VERSION
+from conformance.reports.run_status import STATUSES, RunStatus, run_status
 from conformance.runtime.run_platform import is_interpreted, kernel_execution, recorded_platform
 
 
@@ -64,12 +65,6 @@ def _check_complete(completion: Any, checks: int, path: Path) -> None:
             f"{path}: the run is incomplete: {checks} of {completion['planned']} planned checks ran"
             f" ({stopped or 'stopped early'}); an incomplete run is no verdict"
         )
-
-
-def has_implementation_faults(report: dict[str, Any]) -> bool:
-    """Whether the run records a fault of the implementation under test (it raised, timed out or broke
-    the adapter contract): the gate then exits 3, as `run` did."""
-    return bool(report.get("faults"))
 
 
 def _check_structure(check: Any, label: str) -> None:
@@ -138,9 +133,13 @@ def _recomputed(check: dict[str, Any]) -> tuple[list[str], float | None]:
     return reasons, (verdict.ratio() if not reasons else None)
 
 
-def status_counts(report: dict[str, Any]) -> dict[str, int]:
-    """How many checks of each status the report holds (counted, not read from its summary)."""
-    return {status: sum(check["status"] == status for check in report["checks"]) for status in STATUSES}
+def gate_status(report: dict[str, Any], found: list[str]) -> RunStatus:
+    """Where a complete report stands with the breaches `found` in it (`run_status`): its checks
+    counted by status (not read from its summary); its exit code 1 where it breaches, 3 where it
+    breaches and records a fault of the implementation (as `run` exited), else 0."""
+    statuses = [check["status"] for check in report["checks"]]
+    faulted = bool(found) and bool(report.get("faults"))
+    return run_status(statuses, report["completion"]["planned"], faulted, None, found)
 
 
 def dump_set_mismatch(report: dict[str, Any], baseline: dict[str, Any]) -> str | None:
