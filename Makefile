@@ -5,8 +5,9 @@
 # Each target installs the extras of this host's platform, PLATFORM=cpu|tpu|cuda, detected
 # (conformance/runtime/host_platform.py) unless given, with the exact pins of constraints.txt; DUMPS= or OUT= a
 # gs:// URL installs the gcs extra too. docs/platforms.md has the commands per platform.
-# JAX's persistent compilation cache (conformance/runtime/compile_cache.py) lives in .cache/jax, or in
-# $JAX_COMPILATION_CACHE_DIR (set empty: off): `make conform` after `make test` reuses what the tests compiled.
+# JAX's persistent compilation cache (conformance/runtime/compile_cache.py) lives in
+# $XDG_CACHE_HOME/kda-conformance/jax (else ~/.cache/kda-conformance/jax), or in $JAX_COMPILATION_CACHE_DIR
+# (set empty: off): `make conform` after `make test` reuses what the tests compiled.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -84,6 +85,7 @@ conform: $(VENV)/.core-$(PLATFORM) $(GCS_FOR_DUMPS)
 test: $(VENV)/.full-$(PLATFORM) $(LIBTPU_DIR)/.installed
 	KDA_LIBTPU_PATH=$(abspath $(LIBTPU_DIR)) $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
+# The long real-size runs (tests/test_real_size.py, marked slow): what conform-full does, as tests.
 test-slow: $(VENV)/.full-$(PLATFORM)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 

@@ -1,10 +1,17 @@
-"""Serving options that concern KDA models, and the guard on the ones they cannot use (RFC §2.2)."""
+"""Serving options that concern KDA models, and the guard on the ones they cannot use (RFC §2.2).
+
+A server builds its KDA backend with its `ServerArgs` (`KDAAttnBackend(server_args=...)`), and the
+backend checks them then: a flag that makes the scheduler send a forward mode the backend does not serve
+(`kda_backend.FORWARD_MODES`, the same table its forward refuses modes by) stops the server at start,
+with a ValueError naming the flag, the mode and why, instead of failing the first batch of that mode.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
-from kda_spec.config import KDAConfig
+from kda_impl.layers.attention.linear.kda_backend import FORWARD_MODES
+from kda_impl.model_executor.forward_batch import ForwardMode
 
 # The conformance suite's serving scenarios that verify mixed chunks on the KDA backend
 # (docs/serving.md): each request of a mixed EXTEND batch against itself alone and the float64 truth.
@@ -18,16 +25,37 @@ MIXED_CHUNK_EVIDENCE = (
 
 @dataclasses.dataclass(frozen=True)
 class ServerArgs:
-    """The scheduler flags the KDA backend depends on.
+    """The scheduler flags the KDA backend depends on (sgl-jax's names).
 
     enable_mixed_chunk: prefill and decode requests in one EXTEND batch (sgl-jax's `mix_with_running`).
-        Supported for KDA models: the backend continues every segment of a packed EXTEND batch from its
-        own slot's recurrent and conv states, new requests from zeros, as the scenarios
-        `MIXED_CHUNK_EVIDENCE` verify on every `conformance run`.
+        Served: the backend continues every segment of a packed EXTEND batch from its own slot's
+        recurrent and conv states, new requests from zeros, as the scenarios `MIXED_CHUNK_EVIDENCE`
+        verify on every `conformance run`.
+    speculative_algorithm: speculative decoding (`EAGLE`, `NGRAM`, ...; None: off). The target model
+        then checks each step's draft tokens in a TARGET_VERIFY batch, which the KDA backend refuses.
     """
 
     enable_mixed_chunk: bool = False
+    speculative_algorithm: str | None = None
 
-    def check_server_args(self, kda_config: KDAConfig | None) -> None:
-        """Raise ValueError on a flag the model cannot serve; `kda_config` is None for a model without KDA.
-        Every flag of this class is served by KDA models."""
+    def flag_modes(self) -> dict[str, tuple[ForwardMode, ...]]:
+        """The forward modes each flag that is set makes the scheduler send the model's attention
+        backends, by flag (`name=value`); every server sends EXTEND, DECODE and IDLE batches."""
+        modes: dict[str, tuple[ForwardMode, ...]] = {}
+        if self.enable_mixed_chunk:
+            modes["enable_mixed_chunk=True"] = (ForwardMode.EXTEND,)
+        if self.speculative_algorithm is not None:
+            modes[f"speculative_algorithm={self.speculative_algorithm!r}"] = (ForwardMode.TARGET_VERIFY,)
+        return modes
+
+    def check_server_args(self) -> None:
+        """Raise ValueError on the first flag that brings a forward mode the KDA backend does not serve
+        (`FORWARD_MODES`), naming the flag, the mode and why."""
+        for flag, modes in self.flag_modes().items():
+            for mode in modes:
+                refused = FORWARD_MODES[mode]
+                if refused is not None:
+                    raise ValueError(
+                        f"{flag} is not supported for KDA models: the scheduler would send {mode.name} "
+                        f"batches, which the KDA backend refuses: {refused.reason}"
+                    )

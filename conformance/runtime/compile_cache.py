@@ -4,9 +4,11 @@ Compiling dominates a CPU run of the suite and of the tests; with the cache, a s
 next `make conform`, or `make conform` after `make test` in one CI run) loads the compiled
 executables from disk instead of compiling them again.
 
-Where: `$JAX_COMPILATION_CACHE_DIR` when set (an empty value turns the cache off); otherwise
-`.cache/jax` of the source checkout this package lives in, or `~/.cache/kda-conformance/jax` for an
-installed package. A cache that cannot be used only costs speed: a warning, and the run goes on.
+Where: `$JAX_COMPILATION_CACHE_DIR` when set (an empty value turns the cache off); otherwise the user's
+cache folder, `$XDG_CACHE_HOME/kda-conformance/jax` or `~/.cache/kda-conformance/jax`, whether the package
+runs from a checkout or is installed, and from any working directory: every process of one user (the
+tests, the CLI, the subprocesses they start) shares it. A cache that cannot be used only costs speed: a
+warning, and the run goes on.
 """
 
 from __future__ import annotations
@@ -22,19 +24,18 @@ CACHE_DIR_ENV = "JAX_COMPILATION_CACHE_DIR"
 # default (1 s) would keep almost none of them.
 MIN_COMPILE_TIME_S = 0.0
 
-_CHECKOUT = Path(__file__).resolve().parents[2]
-
 
 class CompileCacheWarning(UserWarning):
     """The persistent compilation cache cannot be used; the run goes on without it."""
 
 
-def default_cache_dir() -> Path:
-    """`.cache/jax` of the source checkout, or the user's cache folder for an installed package."""
-    if (_CHECKOUT / "pyproject.toml").is_file():
-        return _CHECKOUT / ".cache" / "jax"
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kda-conformance" / "jax"
+def default_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """`kda-conformance/jax` in the user's cache folder: `$XDG_CACHE_HOME`, or `~/.cache` where it is unset,
+    empty or relative (the XDG base directory spec ignores a relative one)."""
+    xdg = environ.get("XDG_CACHE_HOME", "")
+    home = environ.get("HOME") or str(Path.home())
+    base = Path(xdg) if os.path.isabs(xdg) else Path(home) / ".cache"
+    return base / "kda-conformance" / "jax"
 
 
 def cache_dir(environ: Mapping[str, str] = os.environ) -> Path | None:
@@ -42,7 +43,7 @@ def cache_dir(environ: Mapping[str, str] = os.environ) -> Path | None:
     if CACHE_DIR_ENV in environ:
         value = environ[CACHE_DIR_ENV].strip()
         return Path(value).expanduser().resolve() if value else None  # the same folder in any cwd
-    return default_cache_dir()
+    return default_cache_dir(environ)
 
 
 def _unusable(path: Path) -> str | None:

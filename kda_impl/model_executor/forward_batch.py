@@ -33,7 +33,7 @@ MIN_REQUEST_BUCKET = 8
 
 
 class ForwardMode(enum.IntEnum):
-    """The kind of step, as in sgl-jax. The KDA backend serves EXTEND, DECODE, IDLE and DUMMY_FIRST."""
+    """The kind of step, as in sgl-jax. Which ones the KDA backend serves: `kda_backend.FORWARD_MODES`."""
 
     EXTEND = enum.auto()
     DECODE = enum.auto()

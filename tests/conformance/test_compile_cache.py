@@ -46,10 +46,30 @@ def _lines(result: subprocess.CompletedProcess) -> dict[str, str]:
     return dict(line.split(" ", 1) for line in result.stdout.splitlines())
 
 
-def test_the_folder_comes_from_the_environment_else_the_checkout() -> None:
+def test_the_folder_comes_from_the_environment_else_the_users_cache_folder() -> None:
     assert cache_dir({CACHE_DIR_ENV: "/somewhere/jax"}) == Path("/somewhere/jax")
     assert cache_dir({CACHE_DIR_ENV: " "}) is None  # set empty: the cache is off
-    assert cache_dir({}) == default_cache_dir() == REPO / ".cache" / "jax"
+    xdg = {"XDG_CACHE_HOME": "/xdg", "HOME": "/home/u"}
+    assert cache_dir(xdg) == default_cache_dir(xdg) == Path("/xdg/kda-conformance/jax")
+    home_cache = Path("/home/u/.cache/kda-conformance/jax")
+    # Unset, empty or relative (ignored, as the XDG base directory spec says: never a folder of the cwd).
+    for xdg_value in ({}, {"XDG_CACHE_HOME": ""}, {"XDG_CACHE_HOME": ".cache"}):
+        assert cache_dir({**xdg_value, "HOME": "/home/u"}) == home_cache
+
+
+def test_processes_in_any_folder_share_the_default_cache(tmp_path: Path) -> None:
+    # `make test` and `make conform` (and the subprocesses of the tests) run in different folders with
+    # the same environment: they must name the same cache.
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home")}
+    script = "from conformance.runtime.compile_cache import cache_dir; print(cache_dir())"
+    folders = []
+    for cwd in (REPO, tmp_path):
+        done = subprocess.run(
+            [sys.executable, "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        folders.append(done.stdout.strip())
+    assert folders == [str(tmp_path / "home" / ".cache" / "kda-conformance" / "jax")] * 2
 
 
 def test_a_second_process_loads_the_executable_from_the_cache(tmp_path: Path) -> None:

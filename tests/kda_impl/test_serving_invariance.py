@@ -15,7 +15,6 @@ from kda_impl.layers.short_conv import short_conv_with_state
 from kda_impl.mem_cache.recurrent_state_pool import DUMMY_SLOT
 from kda_impl.model_executor.forward_batch import ForwardMode, make_forward_batch
 from kda_impl.models.kimi_linear import KimiDeltaAttention
-from kda_impl.server_args import ServerArgs
 from kda_spec.synthetic_weights import synthetic_weights
 from tests.kda_impl.conftest import CONFIGS, NUM_SLOTS, assert_close, random_states, random_tokens
 
@@ -135,7 +134,7 @@ def test_idle_returns_zeros_and_leaves_the_pool_alone(runner_for):
             NotImplementedError,
             "TARGET_VERIFY: speculative decoding is not supported",
         ),
-        (ForwardMode.MIXED, ValueError, "MIXED never reaches a linear-recurrent backend"),
+        (ForwardMode.MIXED, ValueError, "MIXED: never reaches a linear-recurrent backend"),
     ],
 )
 def test_unsupported_modes_raise(mode, error, message, runner_for):
@@ -144,13 +143,6 @@ def test_unsupported_modes_raise(mode, error, message, runner_for):
     batch = runner.batch(ForwardMode.EXTEND, [4], slots).replace(forward_mode=mode)
     with pytest.raises(error, match=message):
         runner.run(batch, [np.zeros((4, runner.config.hidden_size), np.float32)])
-
-
-def test_mixed_chunk_is_accepted_for_kda_models():
-    # The serving scenarios of MIXED_CHUNK_EVIDENCE verify it (tests/conformance/test_serving.py).
-    for config in (CONFIGS["mini"], None):
-        ServerArgs(enable_mixed_chunk=True).check_server_args(config)
-        ServerArgs(enable_mixed_chunk=False).check_server_args(config)
 
 
 def test_forward_is_jitted_once_per_bucket_with_the_pool_donated(runner_for, monkeypatch):

@@ -12,6 +12,10 @@ new states back. `KDAAttnBackend` binds the two kernel entry points to `kda_impl
 | DRAFT_EXTEND / TARGET_VERIFY | NotImplementedError (speculative decoding is a non-goal) |
 | MIXED | ValueError: never produced; mixed chunks (`--enable-mixed-chunk`) are scheduled as EXTEND |
 
+`FORWARD_MODES` is that table as data, the one definition of what the backend serves: a refused mode
+raises at its first forward (`check_forward_mode`), and a backend built with `server_args`
+(`kda_impl.server_args.ServerArgs`) refuses then, before any forward, a server flag that would send it one.
+
 Under tensor or data parallelism the backend runs inside the layer's `shard_map`: it sees one device's
 heads, one data rank's requests and that rank's block of pool slots, and needs no collective.
 
@@ -41,6 +45,46 @@ from kda_impl.model_executor.forward_batch import ForwardMode
 if TYPE_CHECKING:
     from kda_impl.layers.radix_linear_attention import RadixLinearAttention
     from kda_impl.model_executor.forward_batch import ForwardBatch
+    from kda_impl.server_args import ServerArgs
+
+
+@dataclasses.dataclass(frozen=True)
+class RefusedMode:
+    """A forward mode the backend does not serve: the exception its forward raises, and why."""
+
+    error: type[Exception]
+    reason: str
+
+
+_NO_SPECULATIVE = RefusedMode(
+    NotImplementedError,
+    "speculative decoding is not supported by the KDA backend (it keeps no recurrent state per draft "
+    "token to roll a rejected draft back to)",
+)
+
+#: Every ForwardMode and what the linear-recurrent backends do with it: None, they serve it (a branch of
+#: `forward`); a `RefusedMode`, they refuse it. Serving another mode is its entry set to None, beside its
+#: branch in `forward`; `ServerArgs` then accepts the flags that bring it.
+FORWARD_MODES: dict[ForwardMode, RefusedMode | None] = {
+    ForwardMode.EXTEND: None,
+    ForwardMode.DECODE: None,
+    ForwardMode.IDLE: None,
+    ForwardMode.DUMMY_FIRST: None,
+    ForwardMode.MIXED: RefusedMode(
+        ValueError,
+        "never reaches a linear-recurrent backend: mixed chunks (--enable-mixed-chunk) are scheduled as "
+        "EXTEND batches, each segment continuing from its own slot",
+    ),
+    ForwardMode.DRAFT_EXTEND: _NO_SPECULATIVE,
+    ForwardMode.TARGET_VERIFY: _NO_SPECULATIVE,
+}
+
+
+def check_forward_mode(mode: ForwardMode) -> None:
+    """Raise `mode`'s `RefusedMode` error, naming the mode and why, unless `FORWARD_MODES` serves it."""
+    refused = FORWARD_MODES[mode]
+    if refused is not None:
+        raise refused.error(f"{mode.name}: {refused.reason}")
 
 
 @jax.tree_util.register_pytree_node_class
@@ -72,11 +116,17 @@ class LinearRecurrentAttnBackend(abc.ABC):
 
     Pytree: children `(forward_metadata,)`; aux data `_static_config()` (plain constants). `mesh` is
     used outside jit only and is not carried through it.
+
+    `server_args`: the server's flags, checked here (`ServerArgs.check_server_args`): a flag that would
+    send a forward mode the backend refuses is a ValueError when the server builds its backend, not at
+    the first batch of that mode. Not kept: a rebuilt (unflattened) backend has none to check.
     """
 
     metadata_cls: type[LinearRecurrentAttnBackendMetadata] = LinearRecurrentAttnBackendMetadata
 
-    def __init__(self, mesh: jax.sharding.Mesh | None = None):
+    def __init__(self, mesh: jax.sharding.Mesh | None = None, *, server_args: ServerArgs | None = None):
+        if server_args is not None:
+            server_args.check_server_args()
         self.mesh = mesh
         self.forward_metadata: LinearRecurrentAttnBackendMetadata | None = None
 
@@ -150,7 +200,7 @@ class LinearRecurrentAttnBackend(abc.ABC):
 
         Returns `(y [T, 3P], new_conv_state [N, W-1, 3P])`; the new state is written by `forward`.
         """
-        _check_supported(forward_batch.forward_mode)
+        check_forward_mode(forward_batch.forward_mode)
         metadata = self._metadata()
         _, conv_state = recurrent_state_pool.get_slot_states(  # [N, W-1, 3, P]: q | k | v
             layer.layer_id, metadata.recurrent_indices, padding_rows=True
@@ -174,7 +224,7 @@ class LinearRecurrentAttnBackend(abc.ABC):
     ) -> tuple[jax.Array, RecurrentStatePool]:
         """Run the mode's kernel; return `(o [T, H, V] in q's dtype, the pool with the new states)`."""
         mode = forward_batch.forward_mode
-        _check_supported(mode)
+        check_forward_mode(mode)
         if mode.is_idle():
             return jnp.zeros(v.shape, q.dtype), recurrent_state_pool
         metadata = self._metadata()
@@ -256,13 +306,19 @@ class LinearRecurrentAttnBackend(abc.ABC):
 class KDAAttnBackend(LinearRecurrentAttnBackend):
     """The KDA backend; `kernel` is 'naive', 'pallas' or None (the dispatcher's automatic choice).
 
-    One instance can serve every KDA layer of a model.
+    One instance can serve every KDA layer of a model; `server_args` as the base class says.
     """
 
     metadata_cls = KDAAttnBackendMetadata
 
-    def __init__(self, mesh: jax.sharding.Mesh | None = None, kernel: str | None = None):
-        super().__init__(mesh)
+    def __init__(
+        self,
+        mesh: jax.sharding.Mesh | None = None,
+        kernel: str | None = None,
+        *,
+        server_args: ServerArgs | None = None,
+    ):
+        super().__init__(mesh, server_args=server_args)
         self.kernel = kernel
 
     @property
@@ -324,14 +380,4 @@ class KDAAttnBackend(LinearRecurrentAttnBackend):
             layer_index=layer_index,
             scale=scale,
             kernel=self.kernel,
-        )
-
-
-def _check_supported(mode: ForwardMode) -> None:
-    if mode in (ForwardMode.DRAFT_EXTEND, ForwardMode.TARGET_VERIFY):
-        raise NotImplementedError(f"{mode.name}: speculative decoding is not supported by the KDA backend")
-    if mode == ForwardMode.MIXED:
-        raise ValueError(
-            "ForwardMode.MIXED never reaches a linear-recurrent backend: mixed chunks are scheduled as "
-            "EXTEND batches (--enable-mixed-chunk), each segment continuing from its own slot"
         )
