@@ -1,6 +1,6 @@
 """Serving scenarios: schedules of requests as a scheduler packs them, and the fixed ones every run checks.
 
-A scenario is a pool size and a list of events, each one of
+A scenario is a pool size and a list of events (conformance/checks/serving_events.py), each one of
 - `{"alloc": NAME}`: a new request NAME takes a free slot;
 - `{"free": NAME}`: request NAME finished; its slot goes back to the pool;
 - `{"forward": {"mode": "extend" | "decode", "requests": [[NAME, TOKENS], ...], "padding_rows": P}}`:
@@ -20,61 +20,50 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-MODES = ("extend", "decode")
+from conformance.checks.serving_events import (
+    Event,
+    Forward,
+    ScheduleBook,
+    alloc,
+    decode,
+    event_from_dict,
+    extend,
+    free,
+)
+
 # The fixed scenarios' pool: one pool shape for all of them, so that the layer compiles once per bucket.
 FIXED_SLOTS = 8
 FIXED_SET = "fixed"
 
 
 @dataclasses.dataclass(frozen=True)
-class Forward:
-    """One scheduled batch: (request, tokens) in batch order, then `padding_rows` rows of no request."""
-
-    mode: str
-    requests: tuple[tuple[str, int], ...]
-    padding_rows: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "requests": [list(r) for r in self.requests],
-            "padding_rows": self.padding_rows,
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class Event:
-    """One of: a request allocated (`alloc`), freed (`free`), or a forward."""
-
-    alloc: str | None = None
-    free: str | None = None
-    forward: Forward | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        if self.forward is not None:
-            return {"forward": self.forward.as_dict()}
-        return {"alloc": self.alloc} if self.alloc is not None else {"free": self.free}
-
-
-@dataclasses.dataclass(frozen=True)
 class Scenario:
+    """`events` played on a pool of `num_slots` slots; `same_as` another scenario that must give the same
+    outputs. A scenario exists only as a schedule a pool can run: building one plays its events on a
+    `ScheduleBook` (a ValueError naming the scenario, the event's index and the value at fault)."""
+
     name: str
     num_slots: int
     events: tuple[Event, ...]
     same_as: str | None = None
 
+    def __post_init__(self) -> None:
+        if not self.name or any(c.isspace() for c in self.name):
+            raise ValueError(f"scenario name {self.name!r} must be non-empty without spaces")
+        self.book()
+
+    def book(self) -> ScheduleBook:
+        """The bookkeeping of every event played."""
+        return ScheduleBook(self.name, self.num_slots).play_all(self.events)
+
     @property
     def request_tokens(self) -> dict[str, int]:
         """Each request's tokens over the whole scenario, in the order the requests are allocated."""
-        tokens = {event.alloc: 0 for event in self.events if event.alloc is not None}
-        for event in self.events:
-            for name, n in event.forward.requests if event.forward else ():
-                tokens[name] += n
-        return tokens
+        return self.book().processed
 
     @property
     def forwards(self) -> list[Forward]:
-        return [event.forward for event in self.events if event.forward is not None]
+        return [event for event in self.events if isinstance(event, Forward)]
 
     def as_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"name": self.name, "num_slots": self.num_slots}
@@ -82,22 +71,6 @@ class Scenario:
             data["same_as"] = self.same_as
         data["events"] = [event.as_dict() for event in self.events]
         return data
-
-
-def alloc(*names: str) -> list[Event]:
-    return [Event(alloc=name) for name in names]
-
-
-def free(*names: str) -> list[Event]:
-    return [Event(free=name) for name in names]
-
-
-def extend(*requests: tuple[str, int], padding_rows: int = 0) -> Event:
-    return Event(forward=Forward("extend", tuple(requests), padding_rows))
-
-
-def decode(*names: str, padding_rows: int = 0) -> Event:
-    return Event(forward=Forward("decode", tuple((name, 1) for name in names), padding_rows))
 
 
 # ------------------------------------------------------------------------------------------- fixed
@@ -164,84 +137,31 @@ def fixed_scenarios() -> list[Scenario]:
         ],
     }
     same_as = {"permuted-slots": "mixed-extend"}
-    return [
-        checked_scenario(Scenario(name, FIXED_SLOTS, tuple(evs), same_as.get(name)))
-        for name, evs in events.items()
-    ]
-
-
-# ---------------------------------------------------------------------------------------- checking
-
-
-def checked_scenario(scenario: Scenario) -> Scenario:
-    """`scenario` if it is a schedule a pool can run; a ValueError naming the scenario, the event and
-    the value at fault otherwise."""
-    where = f"scenario {scenario.name!r}"
-    if not scenario.name or any(c.isspace() for c in scenario.name):
-        raise ValueError(f"scenario name {scenario.name!r} must be non-empty without spaces")
-    if not isinstance(scenario.num_slots, int) or scenario.num_slots < 1:
-        raise ValueError(f"{where}: num_slots must be a positive integer, got {scenario.num_slots!r}")
-    live: set[str] = set()
-    seen: set[str] = set()
-    for index, event in enumerate(scenario.events):
-        at = f"{where}, event {index}"
-        if event.alloc is not None:
-            if event.alloc in seen:
-                raise ValueError(f"{at}: request {event.alloc!r} is allocated twice")
-            if len(live) == scenario.num_slots:
-                raise ValueError(f"{at}: alloc {event.alloc!r} with all {scenario.num_slots} slots in use")
-            live.add(event.alloc)
-            seen.add(event.alloc)
-        elif event.free is not None:
-            if event.free not in live:
-                raise ValueError(f"{at}: free {event.free!r}, which holds no slot")
-            live.remove(event.free)
-        else:
-            _check_forward(event.forward, live, at)
-    return scenario
-
-
-def _check_forward(forward: Forward | None, live: set[str], at: str) -> None:
-    if forward is None:
-        raise ValueError(f"{at}: an event is one of alloc, free, forward")
-    if forward.mode not in MODES:
-        raise ValueError(f"{at}: mode must be one of {list(MODES)}, got {forward.mode!r}")
-    names = [name for name, _ in forward.requests]
-    if not names:
-        raise ValueError(f"{at}: a forward needs at least one request")
-    if len(set(names)) != len(names):
-        raise ValueError(f"{at}: a request appears twice in one batch: {names}")
-    for name, tokens in forward.requests:
-        if name not in live:
-            raise ValueError(f"{at}: request {name!r} holds no slot (alloc it first)")
-        if not isinstance(tokens, int) or tokens < 1 or (forward.mode == "decode" and tokens != 1):
-            raise ValueError(f"{at}: request {name!r} has {tokens!r} tokens; extend needs >= 1, decode 1")
-    if not isinstance(forward.padding_rows, int) or forward.padding_rows < 0:
-        raise ValueError(f"{at}: padding_rows must be an integer >= 0, got {forward.padding_rows!r}")
+    return [Scenario(name, FIXED_SLOTS, tuple(evs), same_as.get(name)) for name, evs in events.items()]
 
 
 # ----------------------------------------------------------------------------------------- files
 
 
 def scenario_from_dict(data: dict[str, Any]) -> Scenario:
-    """A scenario from its file form (`Scenario.as_dict`), checked."""
+    """A scenario from its file form (`Scenario.as_dict`), checked; a ValueError naming the scenario (and
+    the event's index) and what is wrong."""
+    where = f"scenario {data.get('name', '?')!r}"
     try:
-        events = []
-        for event in data["events"]:
-            if "forward" in event:
-                f = event["forward"]
-                requests = tuple((str(name), tokens) for name, tokens in f["requests"])
-                events.append(Event(forward=Forward(f["mode"], requests, f.get("padding_rows", 0))))
-            elif "alloc" in event:
-                events.append(Event(alloc=str(event["alloc"])))
-            else:
-                events.append(Event(free=str(event["free"])))
-        scenario = Scenario(str(data["name"]), data["num_slots"], tuple(events), data.get("same_as"))
-    except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(
-            f"scenario {data.get('name', '?')!r}: malformed ({type(err).__name__}: {err})"
-        ) from None
-    return checked_scenario(scenario)
+        name, num_slots, items = str(data["name"]), data["num_slots"], list(data["events"])
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"{where}: {_malformed(err)}") from None
+    events = []
+    for index, item in enumerate(items):
+        try:
+            events.append(event_from_dict(item))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{where}, event {index}: {_malformed(err)}") from None
+    return Scenario(name, num_slots, tuple(events), data.get("same_as"))
+
+
+def _malformed(err: Exception) -> str:
+    return f"malformed ({type(err).__name__}: {err})"
 
 
 def load_scenarios(path: Path) -> list[Scenario]:

@@ -17,12 +17,14 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from conformance.checks.serving_scenarios import Event, Forward, Scenario, alloc, checked_scenario, free
+from conformance.checks.serving_events import Alloc, Forward, Free, ScheduleBook
+from conformance.checks.serving_scenarios import Scenario
 
 POOL_SIZES = (2, 4, 8)  # a few pool shapes: the layer compiles once per pool size and bucket
 MAX_ACTIONS = 12
 MAX_PADDING = 3
 MAX_ARRIVALS = 4  # requests arriving together
+SEARCHED = "searched"  # the name of every searched scenario
 
 
 def schedule_strategy(max_tokens: int) -> st.SearchStrategy[Scenario]:
@@ -38,41 +40,49 @@ def schedule_strategy(max_tokens: int) -> st.SearchStrategy[Scenario]:
 
 
 def schedule(num_slots: int, actions: list[tuple[Any, ...]]) -> Scenario:
-    """The scenario a scheduler with a pool of `num_slots` slots runs for `actions` (module docstring)."""
-    events: list[Event] = []
-    prompts: dict[str, int] = {}  # requests holding a slot: tokens of their prompt still to prefill
+    """The scenario a scheduler with a pool of `num_slots` slots runs for `actions` (module docstring),
+    each event played on the scenario's `ScheduleBook` as it is decided (the ValueError of a file's
+    event when one is impossible)."""
+    book = ScheduleBook(SEARCHED, num_slots)
+    prompts: dict[str, int] = {}  # each request's prompt tokens
     for action in actions:
         kind = action[0]
         if kind == "arrive":
-            for prompt in action[1][: num_slots - len(prompts)]:
-                name = f"q{len([e for e in events if e.alloc is not None])}"
-                events += alloc(name)
+            for prompt in action[1][: book.free_slots]:
+                name = f"q{len(book.processed)}"
                 prompts[name] = prompt
+                book.play(Alloc(name))
         elif kind == "finish":
-            running = [name for name, left in prompts.items() if left == 0]
+            running = [name for name, tokens in _left(book, prompts).items() if tokens <= 0]
             if running:
-                name = running[action[1] % len(running)]
-                events += free(name)
-                del prompts[name]
+                book.play(Free(running[action[1] % len(running)]))
         elif kind == "step":
-            forward = _step(prompts, chunk=action[1], mix=action[2], padding_rows=action[3], every=action[4])
+            forward = _step(
+                book, prompts, chunk=action[1], mix=action[2], padding_rows=action[3], every=action[4]
+            )
             if forward is not None:
-                events.append(Event(forward=forward))
-    return checked_scenario(Scenario("searched", num_slots, tuple(events)))
+                book.play(forward)
+    return Scenario(SEARCHED, num_slots, tuple(book.events))
 
 
-def _step(prompts: dict[str, int], chunk: int, mix: bool, padding_rows: int, every: bool) -> Forward | None:
+def _step(
+    book: ScheduleBook, prompts: dict[str, int], chunk: int, mix: bool, padding_rows: int, every: bool
+) -> Forward | None:
     """The next forward: a chunk of the oldest unfinished prefill, or of every one with `every` (beside
     the running requests' next token when `mix`), else a decode of the running requests; None with
-    nothing to run. Updates `prompts`."""
-    running = [name for name, left in prompts.items() if left == 0]
-    waiting = [name for name, left in prompts.items() if left > 0]
+    nothing to run."""
+    left = _left(book, prompts)
+    running = [name for name, tokens in left.items() if tokens <= 0]
+    waiting = [name for name, tokens in left.items() if tokens > 0]
     if waiting:
-        chunks = [(name, min(chunk, prompts[name])) for name in (waiting if every else waiting[:1])]
-        for name, tokens in chunks:
-            prompts[name] -= tokens
+        chunks = [(name, min(chunk, left[name])) for name in (waiting if every else waiting[:1])]
         requests = chunks + ([(other, 1) for other in running] if mix else [])
         return Forward("extend", tuple(requests), padding_rows)
     if running:
         return Forward("decode", tuple((name, 1) for name in running), padding_rows)
     return None
+
+
+def _left(book: ScheduleBook, prompts: dict[str, int]) -> dict[str, int]:
+    """The tokens of each slot-holding request's prompt still to prefill (<= 0: it is running)."""
+    return {name: prompts[name] - book.processed[name] for name in book.holding}

@@ -16,6 +16,7 @@ from hypothesis.internal.conjecture import engine
 
 from conformance import cli
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
+from conformance.checks.serving_scenarios import Scenario, scenario_from_dict
 from conformance.dumps.reader import DumpSet
 from conformance.policy import TolerancePolicy
 from conformance.search import reproducer
@@ -23,6 +24,7 @@ from conformance.search.command import weight_sets
 from conformance.search.dumpcase import CASE_ID
 from conformance.search.explore import explore
 from conformance.search.judge import HEADROOM, CaseVerdict, CheckJudgement, Judge
+from conformance.search.serving_space import schedule_strategy
 from conformance.search.space import SearchCase, case_inputs, case_strategy, steered
 from kda_spec.synthetic_weights import stress_weights, synthetic_weights
 from kda_spec.truth import sigmoid, softplus
@@ -36,6 +38,14 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @given(case_strategy(("fp32", "bf16"), ("a", "b"), max_tokens=100, max_seqs=3))
 def test_generated_cases_fit_the_limits(case: SearchCase) -> None:
     assert 1 <= len(case.seq_lens) <= 3 and 1 <= case.tokens <= 100 and min(case.seq_lens) >= 1
+
+
+@settings(max_examples=50, deadline=None)
+@given(schedule_strategy(max_tokens=16))
+def test_every_drawn_schedule_reads_back_from_its_file_form(scenario: Scenario) -> None:
+    assert scenario_from_dict(json.loads(json.dumps(scenario.as_dict()))) == scenario
+    book = scenario.book()
+    assert book.events == list(scenario.events) and book.processed == scenario.request_tokens
 
 
 def test_steered_inputs_reach_their_regimes() -> None:

@@ -4,6 +4,7 @@ clear error."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -16,7 +17,20 @@ from conformance.adapters.kda_impl_adapter import KDAImplAdapter
 from conformance.checks.catalogue import CheckSkipped
 from conformance.checks.runner import CheckRunner
 from conformance.checks.serving_checks import ServingChecks
+from conformance.checks.serving_events import (
+    EVENT_TYPES,
+    Alloc,
+    Event,
+    Forward,
+    Free,
+    ScheduleBook,
+    decode,
+    event_from_dict,
+    extend,
+)
+from conformance.checks.serving_run import HiddenStatistics, ScenarioDriver, run_scenario, scenario_inputs
 from conformance.checks.serving_scenarios import (
+    Scenario,
     fixed_scenarios,
     load_scenarios,
     scenario_set_name,
@@ -26,7 +40,9 @@ from conformance.dumps.reader import DumpSet
 from conformance.policy import TolerancePolicy
 from conformance.search.command import SearchOptions
 from conformance.search.serving_search import run_serving_search
+from conformance.search.serving_space import schedule
 from kda_impl.server_args import MIXED_CHUNK_EVIDENCE
+from kda_spec.config import get_preset
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 
@@ -89,28 +105,149 @@ def test_a_scenario_file_round_trips_and_names_its_stem(tmp_path):
     assert scenario_set_name(path) == "found_1" and scenario_set_name(None) == "fixed"
 
 
+def _write(path: Path, events: list[dict], num_slots: int = 2, name: str = "s") -> Path:
+    path.write_text(json.dumps({"scenarios": [{"name": name, "num_slots": num_slots, "events": events}]}))
+    return path
+
+
 @pytest.mark.parametrize(
-    ("event", "message"),
+    ("events", "message"),
     [
-        ({"free": "x"}, r"event 1: free 'x', which holds no slot"),
+        ([{"free": "x"}], r"event 1: free 'x', which holds no slot"),
+        ([{"alloc": "a"}], r"event 1: request 'a' is allocated twice"),
+        ([{"alloc": "b"}, {"alloc": "c"}], r"event 2: alloc 'c' with all 2 slots in use"),
         (
-            {"forward": {"mode": "decode", "requests": [["a", 2]]}},
-            r"'a' has 2 tokens; extend needs >= 1, decode 1",
+            [{"forward": {"mode": "decode", "requests": [["a", 2]]}}],
+            r"event 1: request 'a' has 2 tokens; extend needs >= 1, decode 1",
         ),
         (
-            {"forward": {"mode": "mixed", "requests": [["a", 1]]}},
-            r"mode must be one of \['extend', 'decode'\]",
+            [{"forward": {"mode": "mixed", "requests": [["a", 1]]}}],
+            r"event 1: mode must be one of \['extend', 'decode'\], got 'mixed'",
         ),
-        ({"forward": {"mode": "extend", "requests": [["b", 1]]}}, r"request 'b' holds no slot"),
+        ([{"forward": {"mode": "extend", "requests": [["b", 1]]}}], r"event 1: request 'b' holds no slot"),
+        (
+            [{"forward": {"mode": "extend", "requests": [["a", 1], ["a", 2]]}}],
+            r"event 1: a request appears twice in one batch: \['a', 'a'\]",
+        ),
+        (
+            [{"forward": {"mode": "extend", "requests": [["a", 1]], "padding_rows": -1}}],
+            r"event 1: padding_rows must be an integer >= 0, got -1",
+        ),
+        (
+            [{"copy": "a"}],
+            r"event 1: malformed \(ValueError: an event is one key of \['alloc', 'free', 'forward'\], "
+            r"got \{'copy': 'a'\}\)",
+        ),
+        ([{"forward": {"requests": [["a", 1]]}}], r"event 1: malformed \(KeyError: 'mode'\)"),
     ],
 )
-def test_a_bad_scenario_is_one_line_naming_the_value(tmp_path, event, message):
-    path = tmp_path / "bad.json"
-    path.write_text(
-        json.dumps({"scenarios": [{"name": "s", "num_slots": 2, "events": [{"alloc": "a"}, event]}]})
-    )
-    with pytest.raises(ValueError, match=message):
+def test_a_bad_scenario_is_one_line_naming_the_value(tmp_path, events, message):
+    path = _write(tmp_path / "bad.json", [{"alloc": "a"}, *events])
+    with pytest.raises(ValueError, match=rf"^--scenarios '.*bad.json': scenario 's', {message}"):
         load_scenarios(path)
+
+
+# Each precondition, broken by the last event: (events, what `apply` says).
+BROKEN_PRECONDITIONS = [
+    ([Alloc("a"), Alloc("a")], "request 'a' is allocated twice"),
+    ([Alloc("a"), Alloc("b"), Alloc("c")], "alloc 'c' with all 2 slots in use"),
+    ([Alloc("a"), Free("a"), Free("a")], "free 'a', which holds no slot"),
+    ([Alloc("a"), Forward("mixed", (("a", 1),))], "mode must be one of ['extend', 'decode'], got 'mixed'"),
+    ([Alloc("a"), Forward("extend", ())], "a forward needs at least one request"),
+    ([Alloc("a"), decode("a", "a")], "a request appears twice in one batch: ['a', 'a']"),
+    ([Alloc("a"), extend(("b", 1))], "request 'b' holds no slot (alloc it first)"),
+    ([Alloc("a"), extend(("a", 0))], "request 'a' has 0 tokens; extend needs >= 1, decode 1"),
+    ([Alloc("a"), Forward("decode", (("a", 2),))], "request 'a' has 2 tokens; extend needs >= 1, decode 1"),
+    ([Alloc("a"), extend(("a", 1), padding_rows=-1)], "padding_rows must be an integer >= 0, got -1"),
+]
+
+
+@pytest.mark.parametrize(("events", "message"), BROKEN_PRECONDITIONS)
+def test_each_precondition_is_its_events_apply_wherever_the_schedule_comes_from(tmp_path, events, message):
+    *before, last = events
+    book = ScheduleBook("s", 2).play_all(before)
+    unchanged = copy.deepcopy(book)
+    with pytest.raises(ValueError) as applied:
+        last.apply(book)
+    assert str(applied.value) == message and book == unchanged
+    expected = f"scenario 's', event {len(before)}: {message}"
+    with pytest.raises(ValueError) as built:
+        Scenario("s", 2, tuple(events))
+    path = _write(tmp_path / "bad.json", [event.as_dict() for event in events])
+    with pytest.raises(ValueError) as loaded:
+        load_scenarios(path)
+    assert str(built.value) == expected
+    assert str(loaded.value) == f"--scenarios {str(path)!r}: {expected}"
+
+
+@pytest.mark.parametrize(
+    ("action", "message"),
+    [
+        (("step", 4, False, -1, False), "padding_rows must be an integer >= 0, got -1"),
+        (("step", 0, False, 0, False), "request 'q0' has 0 tokens; extend needs >= 1, decode 1"),
+    ],
+)
+def test_an_impossible_searched_schedule_fails_as_the_same_malformed_file_fails(tmp_path, action, message):
+    with pytest.raises(ValueError) as searched:
+        schedule(2, [("arrive", [3]), action])
+    chunk, padding = action[1], action[3]
+    forward = {"forward": {"mode": "extend", "requests": [["q0", chunk]], "padding_rows": padding}}
+    path = _write(tmp_path / "bad.json", [{"alloc": "q0"}, forward], name="searched")
+    with pytest.raises(ValueError) as loaded:
+        load_scenarios(path)
+    assert str(searched.value) == f"scenario 'searched', event 1: {message}"
+    assert str(loaded.value) == f"--scenarios {str(path)!r}: {searched.value}"
+
+
+def test_every_event_type_reads_back_its_file_form_and_has_a_runner_action():
+    examples: list[Event] = [Alloc("a"), Free("a"), extend(("a", 3), ("b", 1), padding_rows=2)]
+    assert {type(event) for event in examples} == set(EVENT_TYPES.values())
+    for event in examples:
+        assert EVENT_TYPES[event.key] is type(event)
+        assert event_from_dict(json.loads(json.dumps(event.as_dict()))) == event
+    actions = ScenarioDriver.__dict__["act"].dispatcher
+    assert all(actions.dispatch(kind) is not actions.dispatch(object) for kind in EVENT_TYPES.values())
+
+
+class RecordingGuard:
+    """A stand-in for `GuardedAdapter`: the lowest free slot, zero states, the inputs as outputs; every
+    call recorded."""
+
+    def __init__(self, config):
+        self.config, self.calls, self.free = config, [], []
+
+    def call(self, method, arguments, validate):
+        self.calls.append((method, arguments))
+        c, result = self.config, None
+        if method == "serving_open":
+            self.free = list(range(arguments["num_slots"]))
+        elif method == "serving_alloc":
+            result = self.free.pop(0)
+        elif method == "serving_free":
+            self.free.insert(0, arguments["slot"])
+        elif method == "serving_state":
+            shapes = ((c.num_heads, c.head_dim, c.head_dim), (c.conv_size - 1, 3 * c.proj_dim))
+            result = tuple(np.zeros(shape, np.float32) for shape in shapes)
+        else:
+            result = arguments["hidden_states"]
+        return validate(result, method)
+
+
+def test_the_runner_gives_each_forward_the_tokens_its_requests_processed_before():
+    config, stats = get_preset("mini"), HiddenStatistics(0.0, 1.0)
+    events = (Alloc("a"), extend(("a", 3)), Alloc("b"), extend(("b", 2), ("a", 1)), Free("a"), Alloc("c"),
+              decode("b", padding_rows=1))  # fmt: skip
+    scenario = Scenario("s", 2, events)
+    guard = RecordingGuard(config)
+    inputs = scenario_inputs(scenario, stats, config.hidden_size, "fp32")
+    run = run_scenario(guard, scenario, inputs, stats, config, "fp32")
+    forwards = [arguments for method, arguments in guard.calls if method == "serving_forward"]
+    assert [f["prefix_lens"].tolist() for f in forwards] == [[0], [0, 3], [2]]
+    assert [f["slots"].tolist() for f in forwards] == [[0], [1, 0], [1]]
+    # a's final states when freed, c's outside the decode before and after it, b's and c's at the end
+    assert [method for method, _ in guard.calls].count("serving_state") == 5
+    assert scenario.request_tokens == {"a": 4, "b": 3, "c": 0}
+    assert {name: len(out) for name, out in run.outputs.items()} == scenario.request_tokens
 
 
 def _search(

@@ -1,0 +1,196 @@
+"""Serving events: what a schedule does, one event at a time, and the bookkeeping they are played on.
+
+Each event type holds its file key (`key`), its file form (`as_dict`, and `from_value` to read it
+back) and one `apply`: its precondition on the schedule so far and what it changes in the schedule's
+`ScheduleBook`. The file reader, the search space and the runner all play events through
+`ScheduleBook.play`, so a schedule is checked by one definition whatever made it. `EVENT_TYPES` maps
+each file key to its type; a new event is one class here, its entry there, and the runner's action for
+it (`ScenarioDriver.act` in conformance/checks/serving_run.py).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Iterable
+from typing import Any, ClassVar, Self
+
+MODES = ("extend", "decode")
+
+
+@dataclasses.dataclass
+class ScheduleBook:
+    """A schedule's bookkeeping as its events are played on a pool of `num_slots` slots: the requests
+    holding a slot, every request allocated so far with the tokens it has processed (both in the order
+    they were allocated), and the events played."""
+
+    scenario: str
+    num_slots: int
+    holding: list[str] = dataclasses.field(default_factory=list)
+    processed: dict[str, int] = dataclasses.field(default_factory=dict)
+    events: list[Event] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_slots, int) or self.num_slots < 1:
+            raise ValueError(
+                f"scenario {self.scenario!r}: num_slots must be a positive integer, got {self.num_slots!r}"
+            )
+
+    @property
+    def free_slots(self) -> int:
+        return self.num_slots - len(self.holding)
+
+    def play(self, event: Event) -> None:
+        """`event` applied and recorded; a ValueError naming the scenario, the event's index and the
+        value at fault when its precondition fails (nothing changed then)."""
+        try:
+            event.apply(self)
+        except ValueError as err:
+            raise ValueError(f"scenario {self.scenario!r}, event {len(self.events)}: {err}") from None
+        self.events.append(event)
+
+    def play_all(self, events: Iterable[Event]) -> Self:
+        for event in events:
+            self.play(event)
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class Event(abc.ABC):
+    """One thing a schedule does; its file form is `{key: value}`."""
+
+    key: ClassVar[str]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {self.key: self.value()}
+
+    @abc.abstractmethod
+    def value(self) -> Any:
+        """The value of the event's file form."""
+
+    @classmethod
+    @abc.abstractmethod
+    def from_value(cls, value: Any) -> Self:
+        """The event of its file form's value (a KeyError, TypeError or ValueError when `value` is not
+        one); whether the schedule can run it is `apply`'s to say."""
+
+    @abc.abstractmethod
+    def apply(self, book: ScheduleBook) -> None:
+        """Check the event's precondition on `book` (a ValueError naming the value at fault, `book`
+        unchanged), then update `book`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Alloc(Event):
+    """A new request `name` takes a free slot."""
+
+    key: ClassVar[str] = "alloc"
+    name: str
+
+    def value(self) -> str:
+        return self.name
+
+    @classmethod
+    def from_value(cls, value: Any) -> Self:
+        return cls(str(value))
+
+    def apply(self, book: ScheduleBook) -> None:
+        if self.name in book.processed:
+            raise ValueError(f"request {self.name!r} is allocated twice")
+        if not book.free_slots:
+            raise ValueError(f"alloc {self.name!r} with all {book.num_slots} slots in use")
+        book.holding.append(self.name)
+        book.processed[self.name] = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Free(Event):
+    """Request `name` finished; its slot goes back to the pool."""
+
+    key: ClassVar[str] = "free"
+    name: str
+
+    def value(self) -> str:
+        return self.name
+
+    @classmethod
+    def from_value(cls, value: Any) -> Self:
+        return cls(str(value))
+
+    def apply(self, book: ScheduleBook) -> None:
+        if self.name not in book.holding:
+            raise ValueError(f"free {self.name!r}, which holds no slot")
+        book.holding.remove(self.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Forward(Event):
+    """One forward of the batch: each request's next `tokens` (request, tokens) in batch order, then
+    `padding_rows` rows of no request; `mode` one of `MODES`."""
+
+    key: ClassVar[str] = "forward"
+    mode: str
+    requests: tuple[tuple[str, int], ...]
+    padding_rows: int = 0
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.requests]
+
+    def value(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "requests": [list(r) for r in self.requests],
+            "padding_rows": self.padding_rows,
+        }
+
+    @classmethod
+    def from_value(cls, value: Any) -> Self:
+        requests = tuple((str(name), tokens) for name, tokens in value["requests"])
+        return cls(value["mode"], requests, value.get("padding_rows", 0))
+
+    def apply(self, book: ScheduleBook) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
+        names = self.names
+        if not names:
+            raise ValueError("a forward needs at least one request")
+        if len(set(names)) != len(names):
+            raise ValueError(f"a request appears twice in one batch: {names}")
+        for name, tokens in self.requests:
+            if name not in book.holding:
+                raise ValueError(f"request {name!r} holds no slot (alloc it first)")
+            if not isinstance(tokens, int) or tokens < 1 or (self.mode == "decode" and tokens != 1):
+                raise ValueError(f"request {name!r} has {tokens!r} tokens; extend needs >= 1, decode 1")
+        if not isinstance(self.padding_rows, int) or self.padding_rows < 0:
+            raise ValueError(f"padding_rows must be an integer >= 0, got {self.padding_rows!r}")
+        for name, tokens in self.requests:
+            book.processed[name] += tokens
+
+
+EVENT_TYPES: dict[str, type[Event]] = {event.key: event for event in (Alloc, Free, Forward)}
+
+
+def event_from_dict(data: Any) -> Event:
+    """The event of its file form `{key: value}` (`Event.as_dict`); a ValueError (or the KeyError or
+    TypeError of a malformed value) otherwise."""
+    if not isinstance(data, dict) or len(data) != 1 or next(iter(data)) not in EVENT_TYPES:
+        raise ValueError(f"an event is one key of {list(EVENT_TYPES)}, got {data!r}")
+    ((key, value),) = data.items()
+    return EVENT_TYPES[key].from_value(value)
+
+
+def alloc(*names: str) -> list[Event]:
+    return [Alloc(name) for name in names]
+
+
+def free(*names: str) -> list[Event]:
+    return [Free(name) for name in names]
+
+
+def extend(*requests: tuple[str, int], padding_rows: int = 0) -> Forward:
+    return Forward("extend", tuple(requests), padding_rows)
+
+
+def decode(*names: str, padding_rows: int = 0) -> Forward:
+    return Forward("decode", tuple((name, 1) for name in names), padding_rows)
