@@ -213,6 +213,8 @@ KINDS = (
 KERNEL_KINDS = (KERNEL_CHUNK, KERNEL_CHUNK_STATE, KERNEL_RECURRENT, KERNEL_RECURRENT_STATE)
 BY_POSITION_KINDS = (BY_POSITION_LAYER, BY_POSITION_DECODE)
 SERVING_KINDS = tuple(kind for kind in KINDS if kind.group == SERVING_GROUP)
+# What the serving kinds add after a scenario's name (a scenario's name never ends in one).
+SERVING_SUFFIXES = tuple(k.pattern.removeprefix("serving-{arg}") for k in SERVING_KINDS if k != SERVING)
 # The summary table's columns, in the table's order.
 GROUPS = tuple(dict.fromkeys(kind.group for kind in KINDS))
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from conformance.checks.kinds import SERVING_SUFFIXES
 from conformance.checks.serving_events import (
     Event,
     Forward,
@@ -50,6 +51,12 @@ class Scenario:
     def __post_init__(self) -> None:
         if not self.name or any(c.isspace() for c in self.name):
             raise ValueError(f"scenario name {self.name!r} must be non-empty without spaces")
+        suffix = next((s for s in SERVING_SUFFIXES if self.name.endswith(s)), None)
+        if suffix is not None:
+            raise ValueError(
+                f"scenario name {self.name!r} must not end in {suffix!r}: its checks' names would read as "
+                "another scenario's"
+            )
         self.book()
 
     def book(self) -> ScheduleBook:

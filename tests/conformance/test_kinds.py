@@ -9,6 +9,7 @@ from conformance.checks.catalogue import CheckSpec, case_checks, long_case_check
 from conformance.checks.kinds import Check, parse_check
 from conformance.checks.runner import _SIDES
 from conformance.checks.serving_checks import _RESULTS
+from conformance.checks.serving_scenarios import Scenario
 from conformance.dumps.reader import CaseInfo
 
 
@@ -31,6 +32,11 @@ def test_every_kind_has_the_function_that_computes_it() -> None:
 def test_a_name_reads_back_as_its_check(check: Check) -> None:
     assert parse_check(check.name) == check
     assert CheckSpec("T1", "fp32", check.name).of == check
+
+
+def test_a_scenario_whose_checks_would_read_as_another_ones_is_refused() -> None:
+    with pytest.raises(ValueError, match="must not end in '-state'"):
+        Scenario("a-state", 2, ())
 
 
 def test_a_decode_check_knows_its_steps() -> None:
