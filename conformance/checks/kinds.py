@@ -148,9 +148,9 @@ DECODE = CheckKind(
     "decode-{arg}", "decode", DECODE_CALLS, "out", OUT_AXES,
     "the dump's out at the decoded tokens (prefill of the rest, then one token a step)",
 )  # fmt: skip
-DECODE_SELF = CheckKind(
-    "decode-{arg}-self", "decode", DECODE_CALLS, "out", OUT_AXES,
-    "the implementation's own prefill of the whole case, at the decoded tokens",
+DECODE_SELF = dataclasses.replace(
+    DECODE, pattern="decode-{arg}-self",
+    reference="the implementation's own prefill of the whole case, at the decoded tokens",
 )  # fmt: skip
 CHUNKED_PREFILL = CheckKind(
     "chunked-prefill", "chunked", LAYER_CALLS, "out", OUT_AXES, "the dump's out (the case in three pieces)"

@@ -27,7 +27,7 @@ from conformance.checks.kinds import Check, CheckKind
 from conformance.checks.memo import Memo
 from conformance.checks.runner import CheckResult, CheckRunner, Sides
 from conformance.checks.sequences import offsets
-from conformance.checks.serving_run import HiddenStatistics, ServingRun, run_scenario, scenario_inputs
+from conformance.checks.serving_run import HiddenStatistics, ScenarioDriver, ServingRun, scenario_inputs
 from conformance.checks.serving_scenarios import Scenario
 from conformance.dumps.reader import CaseData, CaseInfo
 from conformance.judging.comparison import judge
@@ -101,7 +101,7 @@ class ServingChecks:
             guarded = self.runner.calls.guarded(dtype)  # built (or its fault raised) first
             config = self.runner.dumps.config
             inputs = scenario_inputs(scenario, self._statistics(), config.hidden_size, dtype)
-            return run_scenario(guarded, scenario, inputs, self._statistics(), config, dtype)
+            return ScenarioDriver(guarded, scenario, inputs, self._statistics(), config, dtype).run()
 
         return self._memoized(("run", scenario.name, dtype), compute)
 
@@ -142,48 +142,46 @@ ResultFunction = Callable[[ServingChecks, Scenario, CheckSpec], CheckResult]
 _RESULTS: dict[CheckKind, ResultFunction] = {}
 
 
-def _result_of(kind: CheckKind) -> Callable[[ResultFunction], ResultFunction]:
-    """Register the function that computes and decides the serving checks of `kind`."""
+def _result_of(*of: CheckKind) -> Callable[[ResultFunction], ResultFunction]:
+    """Register the function that computes and decides the serving checks of the kinds `of`."""
 
     def register(function: ResultFunction) -> ResultFunction:
-        _RESULTS[kind] = function
+        _RESULTS.update(dict.fromkeys(of, function))
         return function
 
     return register
 
 
-@_result_of(kinds.SERVING)
-def _outputs(checks: ServingChecks, scenario: Scenario, spec: CheckSpec) -> CheckResult:
+# A kind judged against each request run alone → (what the scenario's run kept of a request, what the
+# request's run alone gave: None where the adapter gives none, the skip's message then).
+_AGAINST_ALONE: dict[
+    CheckKind, tuple[Callable[[ServingRun, str], np.ndarray], Callable[[LayerResult], Any], str]
+] = {
+    kinds.SERVING: (lambda run, name: run.outputs[name], lambda alone: alone.out, ""),
+    kinds.SERVING_STATE: (
+        lambda run, name: run.recurrent[name][None],
+        lambda alone: alone.final_state,
+        "the adapter's layer_extend returns no final state to compare with",
+    ),
+    kinds.SERVING_CONV: (
+        lambda run, name: run.conv[name][None],
+        lambda alone: alone.intermediates.get("final_conv_state"),
+        "the adapter's layer_extend exposes no final_conv_state to compare with",
+    ),
+}
+
+
+@_result_of(*_AGAINST_ALONE)
+def _against_alone(checks: ServingChecks, scenario: Scenario, spec: CheckSpec) -> CheckResult:
+    served, own, missing = _AGAINST_ALONE[spec.kind]
     run = checks.run_of(scenario, spec.dtype)
     names, alone, case = checks.requests_alone(scenario, spec.dtype)
-    actual = np.concatenate([run.outputs[name] for name in names])
-    sides = Sides(actual, np.concatenate([result.out for result in alone]), spec.kind.axes)
+    expected = [own(result) for result in alone]
+    if any(value is None for value in expected):
+        raise CheckSkipped(missing)
+    actual = np.concatenate([served(run, name) for name in names])
     checks.runner.use_case(case)
-    return checks.runner.judge(case, spec, sides)
-
-
-@_result_of(kinds.SERVING_STATE)
-def _recurrent_states(checks: ServingChecks, scenario: Scenario, spec: CheckSpec) -> CheckResult:
-    run = checks.run_of(scenario, spec.dtype)
-    names, alone, case = checks.requests_alone(scenario, spec.dtype)
-    if any(result.final_state is None for result in alone):
-        raise CheckSkipped("the adapter's layer_extend returns no final state to compare with")
-    actual = np.stack([run.recurrent[name] for name in names])
-    sides = Sides(actual, np.concatenate([result.final_state for result in alone]), spec.kind.axes)
-    checks.runner.use_case(case)
-    return checks.runner.judge(case, spec, sides)
-
-
-@_result_of(kinds.SERVING_CONV)
-def _conv_states(checks: ServingChecks, scenario: Scenario, spec: CheckSpec) -> CheckResult:
-    run = checks.run_of(scenario, spec.dtype)
-    names, alone, case = checks.requests_alone(scenario, spec.dtype)
-    conv = [result.intermediates.get("final_conv_state") for result in alone]
-    if any(value is None for value in conv):
-        raise CheckSkipped("the adapter's layer_extend exposes no final_conv_state to compare with")
-    sides = Sides(np.stack([run.conv[name] for name in names]), np.concatenate(conv), spec.kind.axes)
-    checks.runner.use_case(case)
-    return checks.runner.judge(case, spec, sides)
+    return checks.runner.judge(case, spec, Sides(actual, np.concatenate(expected), spec.kind.axes))
 
 
 @_result_of(kinds.SERVING_UNTOUCHED)

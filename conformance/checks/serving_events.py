@@ -81,10 +81,9 @@ class Event(abc.ABC):
 
 
 @dataclasses.dataclass(frozen=True)
-class Alloc(Event):
-    """A new request `name` takes a free slot."""
+class _OfRequest(Event, abc.ABC):
+    """An event of one request, `name`; its file form is the name."""
 
-    key: ClassVar[str] = "alloc"
     name: str
 
     def value(self) -> str:
@@ -93,6 +92,13 @@ class Alloc(Event):
     @classmethod
     def from_value(cls, value: Any) -> Self:
         return cls(str(value))
+
+
+@dataclasses.dataclass(frozen=True)
+class Alloc(_OfRequest):
+    """A new request `name` takes a free slot."""
+
+    key: ClassVar[str] = "alloc"
 
     def apply(self, book: ScheduleBook) -> None:
         if self.name in book.processed:
@@ -104,18 +110,10 @@ class Alloc(Event):
 
 
 @dataclasses.dataclass(frozen=True)
-class Free(Event):
+class Free(_OfRequest):
     """Request `name` finished; its slot goes back to the pool."""
 
     key: ClassVar[str] = "free"
-    name: str
-
-    def value(self) -> str:
-        return self.name
-
-    @classmethod
-    def from_value(cls, value: Any) -> Self:
-        return cls(str(value))
 
     def apply(self, book: ScheduleBook) -> None:
         if self.name not in book.holding:

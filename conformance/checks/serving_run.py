@@ -68,19 +68,6 @@ class ServingRun:
     untouched_after: list[np.ndarray]
 
 
-def run_scenario(
-    guarded: GuardedAdapter,
-    scenario: Scenario,
-    inputs: Mapping[str, np.ndarray],
-    stats: HiddenStatistics,
-    config: KDAConfig,
-    dtype: str,
-) -> ServingRun:
-    """Drive the adapter's serving calls through `guarded` as `scenario` says; NotImplementedError
-    passes through (the checks skip), a broken contract is an `ImplementationFault`."""
-    return ScenarioDriver(guarded, scenario, inputs, stats, config, dtype).run()
-
-
 class ScenarioDriver:
     """One scenario played on the adapter's pool: `act` runs each event's adapter calls on the schedule's
     bookkeeping as it stands before the event (`book`, the one `ScheduleBook` the file reader and the
@@ -109,6 +96,8 @@ class ScenarioDriver:
         self.result = ServingRun({}, {}, {}, [], [], [])
 
     def run(self) -> ServingRun:
+        """Drive the adapter's serving calls through `guarded` as the scenario says; NotImplementedError
+        passes through (the checks skip), a broken contract is an `ImplementationFault`."""
         self.guarded.call("serving_open", {"num_slots": self.scenario.num_slots}, _nothing)
         for index, event in enumerate(self.scenario.events):
             self.act(event, index)

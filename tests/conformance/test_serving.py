@@ -28,7 +28,7 @@ from conformance.checks.serving_events import (
     event_from_dict,
     extend,
 )
-from conformance.checks.serving_run import HiddenStatistics, ScenarioDriver, run_scenario, scenario_inputs
+from conformance.checks.serving_run import HiddenStatistics, ScenarioDriver, scenario_inputs
 from conformance.checks.serving_scenarios import (
     Scenario,
     fixed_scenarios,
@@ -240,7 +240,7 @@ def test_the_runner_gives_each_forward_the_tokens_its_requests_processed_before(
     scenario = Scenario("s", 2, events)
     guard = RecordingGuard(config)
     inputs = scenario_inputs(scenario, stats, config.hidden_size, "fp32")
-    run = run_scenario(guard, scenario, inputs, stats, config, "fp32")
+    run = ScenarioDriver(guard, scenario, inputs, stats, config, "fp32").run()
     forwards = [arguments for method, arguments in guard.calls if method == "serving_forward"]
     assert [f["prefix_lens"].tolist() for f in forwards] == [[0], [0, 3], [2]]
     assert [f["slots"].tolist() for f in forwards] == [[0], [1, 0], [1]]
