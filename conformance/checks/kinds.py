@@ -155,9 +155,9 @@ DECODE_SELF = dataclasses.replace(
 CHUNKED_PREFILL = CheckKind(
     "chunked-prefill", "chunked", LAYER_CALLS, "out", OUT_AXES, "the dump's out (the case in three pieces)"
 )
-CHUNKED_PREFILL_STATE = CheckKind(
-    "chunked-prefill-state", "chunked", LAYER_CALLS, "recurrent_state", STATE_AXES,
-    "the dump's final state (carried across the three pieces)",
+CHUNKED_PREFILL_STATE = dataclasses.replace(
+    CHUNKED_PREFILL, pattern="chunked-prefill-state", result="recurrent_state", axes=STATE_AXES,
+    reference="the dump's final state (carried across the three pieces)",
 )  # fmt: skip
 BY_POSITION_LAYER = CheckKind(
     LAYER_POSITIONS, "layer", LAYER_CALLS, "out", OUT_AXES, "the dump's out, window by window"
