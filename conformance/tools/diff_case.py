@@ -64,7 +64,8 @@ class CaseDiff:
 
 
 def run_case(runner: CheckRunner, case_id: str, dtype: str) -> CaseDiff:
-    """The stages of the case, its other checks decided, and the failing ones walked call by call."""
+    """The stages of the case, its other checks decided, and the failing ones walked call by call (a
+    walk of the same calls as an earlier one named in that one)."""
     stages = run_stages(runner, case_id, dtype)
     checks = plan(runner.dumps, [case_id], [dtype])
     others = [_decided(runner, spec) for spec in checks if spec.of not in IN_STAGE_TABLE]
@@ -74,7 +75,10 @@ def run_case(runner: CheckRunner, case_id: str, dtype: str) -> CaseDiff:
     for spec in checks:
         if spec.check in failing and not _walked_against_the_dump(spec, failing):
             walked = walk(runner, spec)
-            if walked is not None:
+            earlier = next((w for w in walks if walked is not None and w.runs_as(walked)), None)
+            if earlier is not None:
+                earlier.same_run.append(spec.check)
+            elif walked is not None:
                 walks.append(walked)
     return CaseDiff(stages, others, walks)
 

@@ -57,7 +57,8 @@ class Step:
 class StepWalk:
     """A check's run call by call: each call (`steps`), the one named (`named`: the first whose output
     leaves tolerance, else the one closest to its limit), its stage table (`stages`; empty with
-    `no_stages` saying why), and what the check compares with (`reference`)."""
+    `no_stages` saying why), what the check compares with (`reference`), and the other failing checks
+    whose run is this very one (`same_run`: `decode-k8` and `decode-all` of a case of 8 tokens)."""
 
     check: str
     method: str
@@ -67,6 +68,13 @@ class StepWalk:
     departs: bool = False
     stages: list[StageResult] = dataclasses.field(default_factory=list)
     no_stages: str = ""
+    same_run: list[str] = dataclasses.field(default_factory=list)
+
+    def runs_as(self, other: StepWalk) -> bool:
+        """Whether `other` walks the same calls against the same reference."""
+        return self.reference == other.reference and [s.positions.tolist() for s in self.steps] == [
+            s.positions.tolist() for s in other.steps
+        ]
 
 
 # A reference of the whole case: the result of that (dump) name, or None where there is none.
@@ -238,7 +246,8 @@ def step_lines(walked: StepWalk) -> list[str]:
     call named, and why its stage table follows or does not."""
     steps = walked.steps
     shown_from = max(0, steps.index(walked.named) - SHOWN_BEFORE) if walked.named else 0
-    lines = [f"{walked.check}, call by call, against {walked.reference} at the same tokens:"]
+    same = f" (and {', '.join(walked.same_run)}: the same calls)" if walked.same_run else ""
+    lines = [f"{walked.check}{same}, call by call, against {walked.reference} at the same tokens:"]
     body = []
     for step in steps[shown_from : steps.index(walked.named) + 1 if walked.named else len(steps)]:
         tokens = ", ".join(map(str, step.positions[:8])) + (", …" if len(step.positions) > 8 else "")

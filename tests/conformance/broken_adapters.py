@@ -5,6 +5,11 @@ path: the decay gate's sign, beta's sigmoid computed in bf16, the conv's respect
 boundaries, the conv state carried into decode, or the output by 1e-4. The beta and conv-state defects
 are `conformance.adapters.defects`' (which `python -m conformance power` injects too). The first
 three swap the layer or backend class the adapter builds its serving path from.
+
+The `Numpy*` ones break the numpy reference instead (no compilation, for the quick `diff` tests): the
+gate's sign, a decode that goes off from its fourth step (with or without its intermediates), beta
+rounded to bf16 where the precision contract keeps it fp32, a chunked prefill's conv window one token
+off after a split, and kernels with no layer path.
 """
 
 from __future__ import annotations
