@@ -279,7 +279,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from conformance.checks.runner import CheckRunner
-    from conformance.tools.diff import first_out_of_tolerance, run_stages, stage_to_look_at, table_lines
+    from conformance.tools.diff import stage_to_look_at
+    from conformance.tools.diff_case import case_lines, run_case
     from conformance.tools.diff_heatmap import draw_heatmap
 
     dumps = DumpSet(dumps_or_bundled(args.dumps))
@@ -294,11 +295,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
     runner = CheckRunner(dumps, adapter_class, args.kernel, _policy(args.tolerances), options, watchdog)
     if not runner.case(args.case).has_dtype(args.dtype):
         raise UsageError(f"case {args.case!r} of {dumps.label} has no {args.dtype} run")
-    results = run_stages(runner, args.case, args.dtype)
+    diff = run_case(runner, args.case, args.dtype)
+    results = diff.stages
     print(f"{args.case} ({args.dtype}), implementation {args.impl}, kernel {args.kernel}")
-    for line in table_lines(results):
+    for line in case_lines(diff):
         print(line)
-    first = first_out_of_tolerance(results)
     if args.png:
         compared = {row.key: row for row in results if row.comparison is not None}
         look_at = stage_to_look_at(results)  # a state defect first, else the first out of tolerance
@@ -313,7 +314,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         except OSError as err:
             raise UsageError(f"--png {args.png}: cannot write the heatmap ({err})") from None
         print(f"heatmap of {name} written to {args.png}")
-    return ExitCode.OK if first is None else ExitCode.FAIL
+    return ExitCode.FAIL if diff.failed else ExitCode.OK
 
 
 def cmd_power(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ there is one); each result is computed once per case for every check that needs 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -270,3 +271,72 @@ class ImplementationCalls:
             )
         except NotImplementedError as err:
             raise CheckSkipped(str(err) or f"adapter has no {method}") from None
+
+    # ------------------------------------------------------------------ step by step (`conformance diff`)
+
+    def decode_steps(self, case: CaseData, dtype: str, k: int | None) -> list[tuple[np.ndarray, LayerResult]]:
+        """`decode`'s run (k steps; None: every token after the first) with the result of each decode
+        step, at its rows of the sequences still decoding (the rest are zero tokens, left out of the
+        result too), with the case's token positions of those rows."""
+        return self._results.get(("decode-steps", dtype, k), lambda: self._decode_steps(case, dtype, k))
+
+    def _decode_steps(
+        self, case: CaseData, dtype: str, k: int | None
+    ) -> list[tuple[np.ndarray, LayerResult]]:
+        seq_lens, cu = case.info.seq_lens, case.cu_seqlens
+        steps = sequences.decode_lengths(seq_lens, k)
+        if max(steps) == 0:
+            raise CheckSkipped("every sequence is 1 token long: no decode step follows a non-empty prefill")
+        x = self.inputs(case, dtype)
+        prefill = [(0, n - s) for n, s in zip(seq_lens, steps)]
+        result = self.extend(
+            dtype,
+            sequences.gather(x, cu, prefill),
+            sequences.offsets([n - s for n, s in zip(seq_lens, steps)]),
+            case.initial_state,
+        )
+        calls = []
+        for step in range(max(steps)):
+            positions = [int(cu[i] + seq_lens[i] - steps[i] + step) for i in range(len(seq_lens))]
+            live = [i for i, s in enumerate(steps) if step < s]
+            tokens = np.stack([x[p] if step < s else np.zeros_like(x[0]) for p, s in zip(positions, steps)])
+            result = self._decode_step(dtype, tokens, self._carry(result, "decode"))
+            calls.append((np.array([positions[i] for i in live]), _rows_of(result, live)))
+        return calls
+
+    def chunked_prefill_steps(self, case: CaseData, dtype: str) -> list[tuple[np.ndarray, LayerResult]]:
+        """`chunked_prefill`'s run with the result of every call: each piece with the case's token
+        positions of its rows."""
+        return self._results.get(("chunked-steps", dtype), lambda: self._chunked_prefill_steps(case, dtype))
+
+    def _chunked_prefill_steps(self, case: CaseData, dtype: str) -> list[tuple[np.ndarray, LayerResult]]:
+        pieces = sequences.chunked_prefill_pieces(case.info.seq_lens)
+        if len(pieces) < 2:
+            raise CheckSkipped(
+                f"the shortest sequence has {min(case.info.seq_lens)} token: every call needs a piece of each"
+            )
+        x, cu = self.inputs(case, dtype), case.cu_seqlens
+        calls: list[tuple[np.ndarray, LayerResult]] = []
+        for ranges in pieces:
+            previous = calls[-1][1] if calls else None
+            result = self.extend(
+                dtype,
+                sequences.gather(x, cu, ranges),
+                sequences.offsets([hi - lo for lo, hi in ranges]),
+                case.initial_state if previous is None else None,
+                None if previous is None else self._carry(previous, "chunked prefill"),
+            )
+            calls.append((sequences.rows(cu, ranges), result))
+        return calls
+
+
+def _rows_of(result: LayerResult, rows: list[int]) -> LayerResult:
+    """A decode step's result at the batch rows `rows` (its output and per-token intermediates; the
+    carry and final states whole)."""
+    tokens = len(result.out)
+    intermediates = {
+        name: np.asarray(value)[rows]
+        for name, value in result.intermediates.items()
+        if np.ndim(value) and len(value) == tokens
+    }
+    return dataclasses.replace(result, out=np.asarray(result.out)[rows], intermediates=intermediates)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -183,9 +183,11 @@ def first_leaving_contract(results: list[StageResult]) -> StageResult | None:
     return _first_stage(results, lambda c: c.contract is not None and not c.verdict.holds("contract"))
 
 
-def table_lines(results: list[StageResult]) -> list[str]:
+def table_lines(results: list[StageResult], failing_outside: Sequence[str] = ()) -> list[str]:
     """The three-way table: per stage, implementation against reference (the gate's numbers and
-    verdict), implementation against the float64 truth, reference against the truth, attribution."""
+    verdict), implementation against the float64 truth, reference against the truth, attribution; and
+    what it finds. `failing_outside`: the case's failing checks the table does not show, named where no
+    stage is out of tolerance."""
     header = [
         "stage",
         "result",
@@ -225,7 +227,12 @@ def table_lines(results: list[StageResult]) -> list[str]:
             f"{summary(row.comparison)}"
         )
     first = first_out_of_tolerance(results)
-    if first is None:
+    if first is None and failing_outside:
+        lines.append(
+            "no stage compared is out of tolerance, but the case fails outside the stage table: "
+            + ", ".join(failing_outside)
+        )
+    elif first is None:
         lines.append("every stage compared holds")
     else:
         lines.append(f"first out of tolerance: {first.stage} ({first.result}): {summary(first.comparison)}")

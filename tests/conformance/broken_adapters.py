@@ -5,9 +5,16 @@ path: the decay gate's sign, beta's sigmoid computed in bf16, the conv's respect
 boundaries, the conv state carried into decode, or the output by 1e-4. The beta and conv-state defects
 are `conformance.adapters.defects`' (which `python -m conformance power` injects too). The first
 three swap the layer or backend class the adapter builds its serving path from.
+
+The `Numpy*` ones break the numpy reference instead (no compilation, for the quick `diff` tests): the
+gate's sign, a decode that goes off from its fourth step (with or without its intermediates), beta
+rounded to bf16 where the precision contract keeps it fp32, a chunked prefill's conv window one token
+off after a split, and kernels with no layer path.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +25,7 @@ from conformance.adapters.kda_impl_adapter import KDACarry, KDAImplAdapter
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.layers.short_conv import short_conv_with_state
 from kda_impl.models.kimi_linear import KimiDeltaAttention
-from tests.conformance.numpy_adapter import NumpyAdapter
+from tests.conformance.numpy_adapter import NumpyAdapter, NumpyCarry
 
 
 class _FlippedDecay(KimiDeltaAttention):
@@ -88,3 +95,69 @@ class NumpyFlippedGate(NumpyAdapter):
     def forward(self, x, cu_seqlens, carry):
         with np.errstate(over="ignore", invalid="ignore"):  # the state blows up, as it would
             return super().forward(x, cu_seqlens, carry)
+
+
+@dataclasses.dataclass
+class _CountedCarry(NumpyCarry):
+    decode_steps: int = 0  # the decode steps this carry's sequences have taken
+
+
+class NumpyDecodeOffAfterSteps(NumpyAdapter):
+    """From the fourth decode step of a carry on (step 3), each decoded token's hidden state is 5% too
+    large: the prefill, the first three decode steps and every prefill-only check are right."""
+
+    name = "broken: decode off from its fourth step (numpy)"
+    good_steps = 3
+
+    def layer_decode(self, hidden_states, carry):
+        steps = getattr(carry, "decode_steps", 0)
+        x = hidden_states if steps < self.good_steps else hidden_states * np.float32(1.05)
+        result = super().layer_decode(x, carry)
+        counted = _CountedCarry(result.carry.conv_state, result.carry.recurrent_state, steps + 1)
+        return dataclasses.replace(result, carry=counted)
+
+
+class NumpyDecodeOffNoIntermediates(NumpyDecodeOffAfterSteps):
+    """`NumpyDecodeOffAfterSteps`, its decode steps returning no intermediates."""
+
+    name = "broken: decode off from its fourth step, no decode intermediates (numpy)"
+
+    def layer_decode(self, hidden_states, carry):
+        return dataclasses.replace(super().layer_decode(hidden_states, carry), intermediates={})
+
+
+class NumpyBetaRoundedToBf16(NumpyAdapter):
+    """beta's sigmoid rounded to the run dtype (bf16), where the precision contract keeps it fp32."""
+
+    name = "broken: beta rounded to bf16 (numpy)"
+
+    def forward(self, x, cu_seqlens, carry):
+        result = super().forward(x, cu_seqlens, carry)
+        result.intermediates["beta"] = self.cast(result.intermediates["beta"])
+        return result
+
+
+class NumpyKernelsOnly(NumpyAdapter):
+    """The numpy reference's kernels alone: no layer path."""
+
+    name = "numpy kernels only"
+
+    def layer_extend(self, hidden_states, cu_seqlens, initial_state=None, carry=None):
+        raise NotImplementedError("numpy kernels only: no layer_extend")
+
+    def layer_decode(self, hidden_states, carry):
+        raise NotImplementedError("numpy kernels only: no layer_decode")
+
+
+class NumpyConvOffAfterSplit(NumpyAdapter):
+    """A prefill continuing a carry (the next piece of a chunked prefill) reads the carried conv window
+    one token off: the oldest position zeroed, the newest input lost."""
+
+    name = "broken: conv window off by one after a split (numpy)"
+
+    def layer_extend(self, hidden_states, cu_seqlens, initial_state=None, carry=None):
+        if carry is not None:
+            conv = carry.conv_state
+            shifted = np.concatenate([np.zeros_like(conv[:, :1]), conv[:, :-1]], axis=1)
+            carry = dataclasses.replace(carry, conv_state=shifted)
+        return super().layer_extend(hidden_states, cu_seqlens, initial_state, carry)
