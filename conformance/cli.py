@@ -314,7 +314,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         except OSError as err:
             raise UsageError(f"--png {args.png}: cannot write the heatmap ({err})") from None
         print(f"heatmap of {name} written to {args.png}")
-    return ExitCode.FAIL if diff.failed else ExitCode.OK
+    return diff.exit_code
 
 
 def cmd_power(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from conformance.checks import kinds
 from conformance.checks.catalogue import CheckSkipped, CheckSpec, plan
 from conformance.checks.kinds import Check, parse_check
 from conformance.checks.runner import CheckResult, CheckRunner
+from conformance.exit_codes import ExitCode
 from conformance.reports.check_record import summary
 from conformance.reports.tables import format_text_table
 from conformance.tools.diff import STAGES, StageResult, first_out_of_tolerance, run_stages, table_lines
@@ -61,6 +62,13 @@ class CaseDiff:
     def failed(self) -> bool:
         """A stage out of tolerance, or a check outside the stage table failing."""
         return first_out_of_tolerance(self.stages) is not None or bool(self.failing_outside)
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """IMPLEMENTATION when a check faulted, FAIL when one failed or a stage is out of tolerance."""
+        if any(other.error for other in self.others):
+            return ExitCode.IMPLEMENTATION
+        return ExitCode.FAIL if self.failed else ExitCode.OK
 
 
 def run_case(runner: CheckRunner, case_id: str, dtype: str) -> CaseDiff:
