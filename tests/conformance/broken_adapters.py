@@ -126,6 +126,15 @@ class NumpyDecodeOffNoIntermediates(NumpyDecodeOffAfterSteps):
         return dataclasses.replace(super().layer_decode(hidden_states, carry), intermediates={})
 
 
+class NumpyDecodeRaises(NumpyAdapter):
+    """Its decode path raises: a fault of the implementation in the checks outside diff's stage table."""
+
+    name = "broken: decode raises (numpy)"
+
+    def layer_decode(self, hidden_states, carry):
+        raise RuntimeError("decode exploded")
+
+
 class NumpyBetaRoundedToBf16(NumpyAdapter):
     """beta's sigmoid rounded to the run dtype (bf16), where the precision contract keeps it fp32."""
 

@@ -44,6 +44,14 @@ def test_a_failing_decode_fails_the_diff_and_is_named_by_step_and_stage(
     assert "decode-k1 " in out and "decode-k1-self" in out  # decided too, and holding
 
 
+def test_a_fault_outside_the_stage_table_exits_as_a_fault(
+    synthetic_dumps: Path, capsys: pytest.CaptureFixture
+) -> None:
+    code, out = _diff(synthetic_dumps, f"{BROKEN}:NumpyDecodeRaises", capsys)
+    assert code == 3
+    assert "ERROR" in out and "decode exploded" in out
+
+
 def test_a_decode_without_intermediates_is_named_by_step(
     synthetic_dumps: Path, capsys: pytest.CaptureFixture
 ) -> None:
