@@ -261,19 +261,24 @@ class ServingAdapter(KDAAdapter, abc.ABC):
         last W-1 inputs of the q | k | v short convs, in the run dtype's values)."""
 
 
-#: Each protocol and its calls, in the order reasons name them.
-PROTOCOLS: dict[type[KDAAdapter], tuple[str, ...]] = {
-    LayerAdapter: ("layer_extend", "layer_decode"),
-    KernelAdapter: ("chunk_kernel", "recurrent_kernel"),
-    ServingAdapter: ("serving_open", "serving_alloc", "serving_free", "serving_forward", "serving_state"),
-}
-_PROTOCOL_WORDS = {LayerAdapter: "layer", KernelAdapter: "kernel", ServingAdapter: "serving"}
+#: The protocols, in the order reasons name them; a protocol `FooAdapter` is named "foo".
+PROTOCOLS: tuple[type[KDAAdapter], ...] = (LayerAdapter, KernelAdapter, ServingAdapter)
+
+
+def protocol_calls(protocol: type[KDAAdapter]) -> tuple[str, ...]:
+    """A protocol's calls: its abstract methods, in the order it defines them."""
+    return tuple(
+        name for name, value in vars(protocol).items() if getattr(value, "__isabstractmethod__", False)
+    )
 
 
 def provided_calls(adapter_class: type[KDAAdapter]) -> frozenset[str]:
     """The adapter methods a class provides: the calls of every protocol it declares (subclasses)."""
     return frozenset(
-        call for protocol, calls in PROTOCOLS.items() if issubclass(adapter_class, protocol) for call in calls
+        call
+        for protocol in PROTOCOLS
+        if issubclass(adapter_class, protocol)
+        for call in protocol_calls(protocol)
     )
 
 
@@ -283,9 +288,9 @@ def unprovided(adapter_class: type[KDAAdapter], calls: Iterable[str]) -> str | N
     provides them all."""
     wanted = set(calls) - provided_calls(adapter_class)
     missing = [
-        f"no {_PROTOCOL_WORDS[protocol]} protocol ({__name__}.{protocol.__name__})"
-        for protocol, protocol_calls in PROTOCOLS.items()
-        if wanted & set(protocol_calls)
+        f"no {protocol.__name__.removesuffix('Adapter').lower()} protocol ({__name__}.{protocol.__name__})"
+        for protocol in PROTOCOLS
+        if wanted & set(protocol_calls(protocol))
     ]
     return f"adapter {adapter_class.name!r} implements {' and '.join(missing)}" if missing else None
 
@@ -296,8 +301,8 @@ def protocol_error(adapter_class: type[KDAAdapter]) -> str | None:
     call it); or it leaves a method of a protocol it declares undefined. None when it is usable."""
     name = adapter_class.__qualname__
     declared = [protocol for protocol in PROTOCOLS if issubclass(adapter_class, protocol)]
-    for protocol, calls in PROTOCOLS.items():
-        defined = [call for call in calls if hasattr(adapter_class, call)]
+    for protocol in PROTOCOLS:
+        defined = [call for call in protocol_calls(protocol) if hasattr(adapter_class, call)]
         if protocol not in declared and defined:
             return (
                 f"class {name!r} defines {', '.join(defined)} but does not declare {__name__}."
