@@ -42,9 +42,8 @@ class ConformanceSession:
     (`-k`, `-m`, `--deselect`) once it has collected them (`select`); `planned` is how many. A planned
     check whose kind needs a call of a protocol the adapter's class does not declare (`unprovided`, by
     kind) is skipped with that reason when it runs, without a call; `plan_lines` says so before the
-    first check. `stop` says
-    how the run ended before running them all (an interrupt, a call timeout, an implementation that
-    could not be built, `-x`), None while it has not. Every report says both.
+    first check. `stop` says how the run ended before running them all (an interrupt, a call timeout,
+    an implementation that could not be built, `-x`), None while it has not. Every report says both.
     """
 
     def __init__(self, options: SuiteOptions, dumps: DumpSet | None = None):
