@@ -1,15 +1,33 @@
 """The adapter: how the suite drives an implementation under test (docs/adapters.md has a skeleton).
 
-An adapter is a subclass of `KDAAdapter`, named on the command line as `--impl package.module:Class`.
-The suite builds it once per run dtype and reuses it for every check of that dtype:
+An adapter is a subclass of `KDAAdapter` that declares one or more of three protocols, as bases, and
+defines every method of each protocol it declares:
+
+- `LayerAdapter`: `layer_extend`, `layer_decode` — the checks `layer`, `layer-state`, the intermediates,
+  `decode-*`, `chunked-prefill[-state]`, a long case's by-position checks;
+- `KernelAdapter`: `chunk_kernel`, `recurrent_kernel` — the `kernel-*` checks;
+- `ServingAdapter`: `serving_open`, `serving_alloc`, `serving_free`, `serving_forward`, `serving_state`
+  — the `serving-*` checks (those that compare a request with its run alone need the layer too).
+
+So `class Mine(LayerAdapter, KernelAdapter)`, and a kernel-only implementation is `class
+Mine(KernelAdapter)`. What a class provides is decided from the class alone (`provided_calls`), when the
+run is planned: a check that needs a call of a protocol the class does not declare (its kind's `needs`,
+conformance/checks/kinds.py) is reported as skipped with that reason (`unprovided`), and nothing of it
+is called. `load_adapter_class` refuses a class that declares no protocol, one that defines a
+protocol's method without declaring the protocol, and one that leaves a method of a protocol it
+declares undefined (`protocol_error`).
+
+It is named on the command line as `--impl package.module:Class`. The suite builds it once per run
+dtype and reuses it for every check of that dtype:
 
     Class(config, weights, dtype, kernel, options=options)
 
 - `config`: the dump's `kda_spec.config.KDAConfig`: H = `num_heads`, D = `head_dim` (keys and values
   both have D channels), P = H·D, W = `conv_size`.
 - `weights`: the layer's weights as float32 numpy arrays under their HF names and in torch's layout
-  (`q_proj.weight` [P, hidden], `q_conv1d.weight` [P, 1, W], `A_log` [H], ...; kda_spec.weight_names).
-  The adapter casts them for its run itself (a bf16 serving stack keeps `A_log` and `dt_bias` fp32).
+  (`q_proj.weight` [P, hidden], `q_conv1d.weight` [P, 1, W], `A_log` [1, 1, H, 1], `dt_bias` [P], ...;
+  kda_spec.weight_names lists them with their shapes). The adapter casts them for its run itself (a
+  bf16 serving stack keeps `A_log` and `dt_bias` fp32).
 - `dtype`: `"fp32"` or `"bf16"`, the precision to run the implementation in.
 - `kernel`: the `--kernel` value, `"auto"`, `"naive"` or `"pallas"`: which of the implementation's
   kernels to use — `naive` its plain (XLA / reference) kernels, `pallas` its Pallas ones, `auto` its own
@@ -36,9 +54,11 @@ Per token t (scale = D^-1/2, decay and keys on the key axis k, values on the val
     S[k, v]   = S'[k, v] + beta_t · k_t[k] · (v_t[v] - sum_k' k_t[k'] · S'[k', v])
     o_t[v]    = sum_k scale · q_t[k] · S[k, v]
 
-What a method may raise: `NotImplementedError` (with a message) for a path the implementation lacks:
-every check that needs it is reported as skipped with the message, never as passed. Any other exception
-is reported as an error of the checks that needed the call (the failing call is not retried).
+What a method may raise: `NotImplementedError` (with a message) for a path the implementation has but
+cannot serve here (a layer without decode, serving on a mesh of several data ranks, a kernel not on
+this platform): every check that needs it is reported as skipped with the message, never as passed.
+Any other exception is reported as an error of the checks that needed the call (the failing call is
+not retried).
 """
 
 from __future__ import annotations
@@ -47,7 +67,7 @@ import abc
 import dataclasses
 import importlib
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -84,8 +104,10 @@ class LayerResult:
     intermediates: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
-class KDAAdapter(abc.ABC):
-    """Base class of an implementation under test; the module docstring is the contract."""
+class KDAAdapter:
+    """The base of every adapter: its construction, options and report facts. Its calls are those of
+    the protocols it declares (`LayerAdapter`, `KernelAdapter`, `ServingAdapter`); the module docstring
+    is the contract."""
 
     #: A short name for reports.
     name: str = "unnamed"
@@ -129,6 +151,10 @@ class KDAAdapter(abc.ABC):
         """Free-form facts for the report (versions, device, mesh, ...)."""
         return {}
 
+
+class LayerAdapter(KDAAdapter, abc.ABC):
+    """The layer protocol: a prefill of packed sequences and their decode, one token at a time."""
+
     @abc.abstractmethod
     def layer_extend(
         self,
@@ -145,14 +171,19 @@ class KDAAdapter(abc.ABC):
         at most one of the two; with neither, every state starts at zeros.
         """
 
+    @abc.abstractmethod
     def layer_decode(self, hidden_states: np.ndarray, carry: Any) -> LayerResult:
         """One token for each of the N sequences of `carry`: hidden_states [N, hidden].
 
         The suite decodes every sequence of the carry at each step; a sequence that has no token left is
-        fed zeros, and its output is ignored.
+        fed zeros, and its output is ignored. A layer without a decode path raises NotImplementedError.
         """
-        raise NotImplementedError(f"adapter {self.name!r} has no decode path")
 
+
+class KernelAdapter(KDAAdapter, abc.ABC):
+    """The kernel protocol: the chunked and the token-recurrent kernel, on the dumped kernel inputs."""
+
+    @abc.abstractmethod
     def chunk_kernel(
         self,
         q: np.ndarray,
@@ -171,8 +202,8 @@ class KDAAdapter(abc.ABC):
         Returns (o [T, H, V], final_state [N, H, K, V]): o as the reference kernel returns it (rounded
         to bf16 in a bf16 run), the states fp32.
         """
-        raise NotImplementedError(f"adapter {self.name!r} exposes no chunk kernel")
 
+    @abc.abstractmethod
     def recurrent_kernel(
         self,
         q: np.ndarray,
@@ -184,24 +215,26 @@ class KDAAdapter(abc.ABC):
         initial_state: np.ndarray | None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """The token-recurrent kernel, same arguments and results as `chunk_kernel`."""
-        raise NotImplementedError(f"adapter {self.name!r} exposes no recurrent kernel")
 
-    # --- serving (optional; docs/serving.md): the implementation's own state pool, driven as a
-    # scheduler drives it. Without these methods the serving checks are skipped with the message.
 
+class ServingAdapter(KDAAdapter, abc.ABC):
+    """The serving protocol (docs/serving.md): the implementation's own state pool, driven as a
+    scheduler drives it."""
+
+    @abc.abstractmethod
     def serving_open(self, num_slots: int) -> None:
         """Open a fresh state pool of `num_slots` request slots (replacing any earlier one), all free."""
-        raise NotImplementedError(f"adapter {self.name!r} has no serving path (serving_open)")
 
+    @abc.abstractmethod
     def serving_alloc(self) -> int:
         """A free slot of the pool for a new request: an int the other serving calls name it by. The
         slot may hold a finished request's states: a request with prefix length 0 must not see them."""
-        raise NotImplementedError(f"adapter {self.name!r} has no serving path (serving_alloc)")
 
+    @abc.abstractmethod
     def serving_free(self, slot: int) -> None:
         """Return `slot` (its request finished) to the pool's free slots."""
-        raise NotImplementedError(f"adapter {self.name!r} has no serving path (serving_free)")
 
+    @abc.abstractmethod
     def serving_forward(
         self,
         mode: str,
@@ -221,12 +254,67 @@ class KDAAdapter(abc.ABC):
         (0: a new request, which starts from zero states). Returns out [T, hidden] float32 (padding
         rows: anything). A padding row must change no slot's state.
         """
-        raise NotImplementedError(f"adapter {self.name!r} has no serving path (serving_forward)")
 
+    @abc.abstractmethod
     def serving_state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """The states `slot` holds now: (recurrent [H, K, V] float32, conv [W-1, 3P] float32: the
         last W-1 inputs of the q | k | v short convs, in the run dtype's values)."""
-        raise NotImplementedError(f"adapter {self.name!r} has no serving path (serving_state)")
+
+
+#: The protocols, in the order reasons name them; a protocol `FooAdapter` is named "foo".
+PROTOCOLS: tuple[type[KDAAdapter], ...] = (LayerAdapter, KernelAdapter, ServingAdapter)
+
+
+def protocol_calls(protocol: type[KDAAdapter]) -> tuple[str, ...]:
+    """A protocol's calls: its abstract methods, in the order it defines them."""
+    return tuple(
+        name for name, value in vars(protocol).items() if getattr(value, "__isabstractmethod__", False)
+    )
+
+
+def provided_calls(adapter_class: type[KDAAdapter]) -> frozenset[str]:
+    """The adapter methods a class provides: the calls of every protocol it declares (subclasses)."""
+    return frozenset(
+        call
+        for protocol in PROTOCOLS
+        if issubclass(adapter_class, protocol)
+        for call in protocol_calls(protocol)
+    )
+
+
+def unprovided(adapter_class: type[KDAAdapter], calls: Iterable[str]) -> str | None:
+    """Why an adapter of this class cannot make `calls`: each protocol of theirs it does not declare,
+    named (`adapter 'x' implements no layer protocol (conformance.adapter.LayerAdapter)`); None when it
+    provides them all."""
+    wanted = set(calls) - provided_calls(adapter_class)
+    missing = [
+        f"no {protocol.__name__.removesuffix('Adapter').lower()} protocol ({__name__}.{protocol.__name__})"
+        for protocol in PROTOCOLS
+        if wanted & set(protocol_calls(protocol))
+    ]
+    return f"adapter {adapter_class.name!r} implements {' and '.join(missing)}" if missing else None
+
+
+def protocol_error(adapter_class: type[KDAAdapter]) -> str | None:
+    """What makes a subclass of `KDAAdapter` unusable as an adapter, in one line naming it: it declares
+    no protocol; it defines a protocol's method without declaring that protocol (the suite would never
+    call it); or it leaves a method of a protocol it declares undefined. None when it is usable."""
+    name = adapter_class.__qualname__
+    declared = [protocol for protocol in PROTOCOLS if issubclass(adapter_class, protocol)]
+    for protocol in PROTOCOLS:
+        defined = [call for call in protocol_calls(protocol) if hasattr(adapter_class, call)]
+        if protocol not in declared and defined:
+            return (
+                f"class {name!r} defines {', '.join(defined)} but does not declare {__name__}."
+                f"{protocol.__name__} among its bases, so the suite would never call them"
+            )
+    if not declared:
+        names = ", ".join(f"{__name__}.{protocol.__name__}" for protocol in PROTOCOLS)
+        return f"class {name!r} implements no adapter protocol: subclass one or more of {names}"
+    undefined = sorted(getattr(adapter_class, "__abstractmethods__", ()))
+    if undefined:
+        return f"class {name!r} does not define {', '.join(undefined)} of the protocols it declares"
+    return None
 
 
 # The `kernel` argument's values (`--kernel`): the implementation's own default, its plain kernels, its
@@ -262,8 +350,9 @@ def _names_the_module(err: ModuleNotFoundError, module_name: str) -> bool:
 
 def load_adapter_class(spec: str) -> type[KDAAdapter]:
     """Resolve `kda_impl` or `package.module:Attr` to an adapter class, with a clear error: a ValueError
-    when `spec` names nothing importable, an `AdapterImportError` when its module raised on import, a
-    `MissingExtra` when a built-in adapter lacks the extra that installs its implementation."""
+    when `spec` names nothing importable or a class that is no usable adapter (`protocol_error`), an
+    `AdapterImportError` when its module raised on import, a `MissingExtra` when a built-in adapter
+    lacks the extra that installs its implementation."""
     target = BUILTIN_ADAPTERS.get(spec, spec)
     if ":" not in target:
         raise ValueError(
@@ -289,6 +378,9 @@ def load_adapter_class(spec: str) -> type[KDAAdapter]:
         raise ValueError(f"--impl {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
     if not (isinstance(cls, type) and issubclass(cls, KDAAdapter)):
         raise ValueError(f"--impl {spec!r}: {attr!r} is not a subclass of conformance.adapter.KDAAdapter")
+    error = protocol_error(cls)
+    if error is not None:
+        raise ValueError(f"--impl {spec!r}: {error}")
     return cls
 
 

@@ -9,6 +9,8 @@
 - An exception becomes one `ImplementationFault`: one line per check that needed the call, the full
   traceback kept once per distinct fault (`FaultLog`).
 - A call that runs past the call timeout ends the run through `CallWatchdog`.
+- A method of a protocol the adapter's class does not declare is never called (`provided_calls`): it
+  is a NotImplementedError naming the protocol, which skips the check as a path the adapter lacks does.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from conformance.adapter import LayerResult, own_traceback
+from conformance.adapter import KDAAdapter, LayerResult, own_traceback, provided_calls, unprovided
 from conformance.exit_codes import ExitCode
 from kda_spec import dump_format as fmt
 
@@ -305,15 +307,19 @@ Validator = Callable[[Any, str], Any]
 class GuardedAdapter:
     """Calls one adapter's methods with copied arguments and checked results (module docstring)."""
 
-    def __init__(self, adapter: Any, watchdog: CallWatchdog | None, faults: FaultLog | None):
+    def __init__(self, adapter: KDAAdapter, watchdog: CallWatchdog | None, faults: FaultLog | None):
         self.adapter, self.watchdog, self.faults = adapter, watchdog, faults
+        self.provided = provided_calls(type(adapter))
 
     def call(self, method: str, arguments: Mapping[str, Any], validate: Validator) -> Any:
         """`adapter.method(*arguments)` (in order), its result through `validate(result, method)`, which
         raises an `ImplementationFault` for a result that breaks the contract.
 
-        NotImplementedError passes through (the suite skips the check); any other failure of the call is
-        one `ImplementationFault`, logged once per call."""
+        A method the adapter's class does not provide is a NotImplementedError naming its protocol
+        (`unprovided`), without a call. NotImplementedError passes through (the suite skips the check);
+        any other failure of the call is one `ImplementationFault`, logged once per call."""
+        if method not in self.provided:
+            raise NotImplementedError(unprovided(type(self.adapter), (method,)))
         call = method
         given = {name: read_only_copy(value) for name, value in arguments.items()}
         watch = self.watchdog.watching(call) if self.watchdog else contextlib.nullcontext()

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conformance.adapter import KDAAdapter, LayerResult
+from conformance.adapter import KernelAdapter, LayerAdapter, LayerResult, ServingAdapter
 from conformance.adapters.kda_impl_serving import KDAImplServing
 from kda_impl.kernels import chunk_kda, fused_recurrent_kda
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
@@ -54,7 +54,7 @@ class KDACarry:
         return self.recurrent.shape[0]
 
 
-class KDAImplAdapter(KDAAdapter):
+class KDAImplAdapter(LayerAdapter, KernelAdapter, ServingAdapter):
     """kda_impl under test; `kernel` is 'auto' (the dispatcher's choice), 'naive' or 'pallas'; the options
     `tp` and `dp` size the mesh."""
 

@@ -50,7 +50,12 @@ class SuiteHooks:
             metafunc.parametrize("spec", specs, ids=[spec.id for spec in specs])
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
+        """The plan narrowed to what pytest selected, and its summary (`plan_lines`) before any check."""
         self.session.select([spec for spec in map(_spec, session.items) if spec is not None])
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            for line in self.session.plan_lines():
+                reporter.write_line(line)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from conformance.adapter import load_adapter_class
+from conformance.adapter import load_adapter_class, unprovided
 from conformance.adapters.guard import CallWatchdog, FaultLog, ImplementationFault, one_line
 from conformance.checks.catalogue import CheckSkipped, CheckSpec, plan
-from conformance.checks.kinds import SERVING_GROUP
-from conformance.checks.runner import CheckRunner
+from conformance.checks.kinds import KINDS, SERVING_GROUP, CheckKind
+from conformance.checks.runner import CheckResult, CheckRunner
 from conformance.checks.serving_checks import ServingChecks
 from conformance.checks.serving_scenarios import fixed_scenarios, load_scenarios, scenario_set_name
 from conformance.dumps.bundled import is_bundled
@@ -39,9 +39,11 @@ class ConformanceSession:
     """Opens the dump set and the implementation, runs checks and keeps their records.
 
     `specs` is the run's plan: every check of the options' selection, narrowed to those pytest selected
-    (`-k`, `-m`, `--deselect`) once it has collected them (`select`); `planned` is how many. `stop` says
-    how the run ended before running them all (an interrupt, a call timeout, an implementation that
-    could not be built, `-x`), None while it has not. Every report says both.
+    (`-k`, `-m`, `--deselect`) once it has collected them (`select`); `planned` is how many. A planned
+    check whose kind needs a call of a protocol the adapter's class does not declare (`unprovided`, by
+    kind) is skipped with that reason when it runs, without a call; `plan_lines` says so before the
+    first check. `stop` says how the run ended before running them all (an interrupt, a call timeout,
+    an implementation that could not be built, `-x`), None while it has not. Every report says both.
     """
 
     def __init__(self, options: SuiteOptions, dumps: DumpSet | None = None):
@@ -58,6 +60,9 @@ class ConformanceSession:
         self.dumps.weights()  # a broken weights file stops the run before any check
         scenarios = fixed_scenarios() if options.scenarios is None else load_scenarios(options.scenarios)
         self.serving = ServingChecks(self.runner, scenarios, scenario_set_name(options.scenarios))
+        self.unprovided: dict[CheckKind, str] = {
+            kind: reason for kind in KINDS if (reason := unprovided(adapter_class, kind.needs)) is not None
+        }
         self.specs = plan(self.dumps, self.dumps.case_ids(options.cases), options.dtypes)
         if options.cases is None or options.scenarios is not None:  # --cases alone picks dump cases only
             self.specs += self.serving.plan(options.dtypes)
@@ -81,6 +86,16 @@ class ConformanceSession:
         """The plan narrowed to the checks pytest collected and selected."""
         self.specs = specs
 
+    def plan_lines(self) -> list[str]:
+        """The plan in short, for the terminal before the first check: how many checks, and how many of
+        them will be skipped for a protocol the adapter does not declare, one line per reason."""
+        reasons = [self.unprovided[spec.kind] for spec in self.specs if spec.kind in self.unprovided]
+        lines = [
+            f"plan: {self.planned} checks, {len(reasons)} skipped before they run" + (":" if reasons else "")
+        ]
+        counts = {reason: reasons.count(reason) for reason in dict.fromkeys(reasons)}
+        return lines + [f"  {count} skipped: {reason}" for reason, count in counts.items()]
+
     def build_implementation(self) -> None:
         """Build the implementation of every planned dtype before any check runs; an
         `ImplementationFault` (the adapter's constructor raised) is the end of the run."""
@@ -100,7 +115,7 @@ class ConformanceSession:
         self._current = spec
         started = time.monotonic()
         try:
-            result = self.serving.run(spec) if spec.group == SERVING_GROUP else self.runner.run(spec)
+            result = self.result(spec)
         except CheckSkipped as skip:
             self.record(spec, str(skip), time.monotonic() - started, skipped=True)
             pytest.skip(str(skip))
@@ -118,6 +133,14 @@ class ConformanceSession:
         self.record(spec, message, time.monotonic() - started, comparison)
         if not comparison.passed:
             pytest.fail(message, pytrace=False)
+
+    def result(self, spec: CheckSpec) -> CheckResult:
+        """One check computed and decided; `CheckSkipped` when it cannot run: at once, without a call,
+        for a check that needs a protocol the adapter does not declare."""
+        reason = self.unprovided.get(spec.kind)
+        if reason is not None:
+            raise CheckSkipped(reason)
+        return self.serving.run(spec) if spec.group == SERVING_GROUP else self.runner.run(spec)
 
     def failure_text(self, spec: CheckSpec, comparison: Comparison) -> str:
         """A failed check's one line: its summary, after a note first (so that no cut loses it) for an

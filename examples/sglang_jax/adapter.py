@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from conformance.adapter import KDAAdapter, LayerResult
+from conformance.adapter import KernelAdapter, LayerAdapter, LayerResult, ServingAdapter
 from examples.sglang_jax.layout import check_state, conv_state_to_dump, seq_lens_of, sglang_jax_params
 
 CHECKOUT_OPTION, CHECKOUT_ENV = "sglang_jax", "SGLANG_JAX"
@@ -112,7 +112,7 @@ class SglangCarry:
         return self.recurrent.shape[0]
 
 
-class SglangJaxAdapter(KDAAdapter):
+class SglangJaxAdapter(LayerAdapter, KernelAdapter, ServingAdapter):
     """sglang-jax's KDA layer and kernels; `kernel` is ignored (its prefill is the Pallas chunk kernel,
     its decode the naive recurrence)."""
 

@@ -14,7 +14,7 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-from conformance.adapter import KDAAdapter, LayerResult
+from conformance.adapter import KernelAdapter, LayerAdapter, LayerResult
 from conformance.checks.calls import l2norm
 from kda_spec.truth import packed_delta_rule
 
@@ -30,7 +30,7 @@ class NumpyCarry:
     recurrent_state: np.ndarray  # [N, H, D, D]
 
 
-class NumpyAdapter(KDAAdapter):
+class NumpyAdapter(LayerAdapter, KernelAdapter):
     """kda-layer.md in numpy; the bf16 run rounds at the precision contract's points
     (docs/bf16-rounding.md)."""
 

@@ -1,4 +1,5 @@
-"""The adapter contract as docs/adapters.md writes it: its skeleton runs as written, options are checked."""
+"""The adapter contract as docs/adapters.md writes it: its skeleton runs as written, options are checked,
+the protocols a class declares are what it provides."""
 
 from __future__ import annotations
 
@@ -12,7 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from conformance.adapter import KDAAdapter, parse_option_pairs
+from conformance.adapter import (
+    PROTOCOLS,
+    KDAAdapter,
+    KernelAdapter,
+    LayerAdapter,
+    ServingAdapter,
+    load_adapter_class,
+    parse_option_pairs,
+    protocol_calls,
+    protocol_error,
+    provided_calls,
+    unprovided,
+)
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
 from conformance.checks import kinds
 from conformance.checks.catalogue import CheckSkipped, plan
@@ -65,7 +78,8 @@ def test_skeleton_passes_the_kernel_checks_and_skips_the_rest(
             other.append(f"{spec.id}: {summary(comparison)}")
     assert other == []
     assert sorted(passed) == sorted(KERNEL_CHECKS * len(dumps.case_ids()) * 2)
-    layer_skips = {check for check, reason in skipped if "not wired into the adapter yet" in reason}
+    no_layer = "adapter 'my-kda' implements no layer protocol (conformance.adapter.LayerAdapter)"
+    layer_skips = {check for check, reason in skipped if reason == no_layer}
     assert {"layer", "layer-state", "o_norm", "decode-k1", "chunked-prefill"} <= layer_skips
 
 
@@ -84,6 +98,77 @@ def test_skeleton_runs_from_the_command_line_with_its_option(
     statuses = {check["check"]: check["status"] for check in report["checks"]}
     assert {statuses[check] for check in KERNEL_CHECKS} == {"passed"}
     assert statuses["layer"] == "skipped"
+
+
+class NoProtocol(KDAAdapter):
+    name = "no protocol"
+
+
+class UndeclaredServing(KernelAdapter):
+    name = "undeclared serving"
+
+    def chunk_kernel(self, q, k, v, g, beta, cu_seqlens, initial_state):
+        raise NotImplementedError
+
+    recurrent_kernel = chunk_kernel
+
+    def serving_open(self, num_slots):
+        raise NotImplementedError
+
+
+class HalfALayer(LayerAdapter):
+    def layer_extend(self, hidden_states, cu_seqlens, initial_state=None, carry=None):
+        raise NotImplementedError
+
+
+def test_what_a_class_provides_is_the_calls_of_the_protocols_it_declares(
+    skeleton_class: type[KDAAdapter],
+) -> None:
+    assert provided_calls(skeleton_class) == {"chunk_kernel", "recurrent_kernel"}
+    assert provided_calls(KDAImplAdapter) == {
+        *kinds.DECODE_CALLS, "chunk_kernel", "recurrent_kernel", *kinds.SERVING_CALLS
+    }  # fmt: skip
+    assert provided_calls(NoProtocol) == frozenset()
+    assert unprovided(skeleton_class, kinds.KERNEL_CHUNK.needs) is None
+    assert unprovided(skeleton_class, kinds.SERVING.needs) == (
+        "adapter 'my-kda' implements no layer protocol (conformance.adapter.LayerAdapter) "
+        "and no serving protocol (conformance.adapter.ServingAdapter)"
+    )
+    assert (
+        issubclass(KDAImplAdapter, (LayerAdapter, ServingAdapter)) and protocol_error(KDAImplAdapter) is None
+    )
+
+
+def test_the_kinds_need_the_calls_of_the_protocols() -> None:
+    assert [protocol_calls(protocol) for protocol in PROTOCOLS] == [
+        kinds.DECODE_CALLS, ("chunk_kernel", "recurrent_kernel"), kinds.SERVING_CALLS
+    ]  # fmt: skip
+    every_call = {call for protocol in PROTOCOLS for call in protocol_calls(protocol)}
+    assert {call for kind in kinds.KINDS for call in kind.needs} == every_call
+
+
+@pytest.mark.parametrize(
+    ("attr", "message"),
+    [
+        (
+            "NoProtocol",
+            "class 'NoProtocol' implements no adapter protocol: subclass one or more of "
+            "conformance.adapter.LayerAdapter, conformance.adapter.KernelAdapter, "
+            "conformance.adapter.ServingAdapter",
+        ),
+        (
+            "UndeclaredServing",
+            "class 'UndeclaredServing' defines serving_open but does not declare "
+            "conformance.adapter.ServingAdapter among its bases, so the suite would never call them",
+        ),
+        ("HalfALayer", "class 'HalfALayer' does not define layer_decode of the protocols it declares"),
+    ],
+)
+def test_a_class_that_is_no_usable_adapter_is_refused_in_one_line(attr: str, message: str) -> None:
+    spec = f"{__name__}:{attr}"
+    with pytest.raises(ValueError) as raised:
+        load_adapter_class(spec)
+    assert str(raised.value) == f"--impl {spec!r}: {message}"
 
 
 def test_skeleton_refuses_a_bad_option(skeleton_class: type[KDAAdapter]) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.adapter import KDAAdapter, LayerResult
+from conformance.adapter import KDAAdapter, LayerAdapter, LayerResult
 from conformance.adapters import serving_defects
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
 from conformance.checks.catalogue import CheckSkipped
@@ -86,16 +86,20 @@ def test_each_seeded_defect_fails_its_scenario(defect, scenario, caught_by):
     assert results[caught_by] == "failed", results
 
 
-class LayerOnly(KDAAdapter):
+class LayerOnly(LayerAdapter):
     name = "layer only"
 
     def layer_extend(self, hidden_states, cu_seqlens, initial_state=None, carry=None) -> LayerResult:
         return LayerResult(out=np.zeros_like(hidden_states))
 
+    def layer_decode(self, hidden_states, carry) -> LayerResult:
+        raise NotImplementedError("layer only: no decode path")
+
 
 def test_an_adapter_without_a_serving_path_has_the_checks_skipped_with_the_reason():
     results = serving_results(LayerOnly, ["one-token-prompt"])
-    assert set(results.values()) == {"skipped: adapter 'layer only' has no serving path (serving_open)"}
+    reason = "adapter 'layer only' implements no serving protocol (conformance.adapter.ServingAdapter)"
+    assert set(results.values()) == {f"skipped: {reason}"}
 
 
 def test_a_scenario_file_round_trips_and_names_its_stem(tmp_path):
