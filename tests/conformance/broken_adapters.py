@@ -146,18 +146,6 @@ class NumpyBetaRoundedToBf16(NumpyAdapter):
         return result
 
 
-class NumpyKernelsOnly(NumpyAdapter):
-    """The numpy reference's kernels alone: no layer path."""
-
-    name = "numpy kernels only"
-
-    def layer_extend(self, hidden_states, cu_seqlens, initial_state=None, carry=None):
-        raise NotImplementedError("numpy kernels only: no layer_extend")
-
-    def layer_decode(self, hidden_states, carry):
-        raise NotImplementedError("numpy kernels only: no layer_decode")
-
-
 class NumpyConvOffAfterSplit(NumpyAdapter):
     """A prefill continuing a carry (the next piece of a chunked prefill) reads the carried conv window
     one token off: the oldest position zeroed, the newest input lost."""

@@ -107,13 +107,13 @@ def test_what_the_implementation_does_at_a_rounding_point() -> None:
 def test_an_adapter_with_kernels_alone_gets_its_kernel_stages(
     synthetic_dumps: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    code, out = _diff(synthetic_dumps, f"{BROKEN}:NumpyKernelsOnly", capsys)
+    code, out = _diff(synthetic_dumps, "tests.conformance.kernel_only_adapter:KernelOnlyAdapter", capsys)
     assert code == 0 and "every stage compared holds" in out
     rows = {
         line.split()[1]: line for line in out.splitlines() if line.startswith(("conv ", "kernel ", "out "))
     }
     assert " ok " in rows["o_kda_chunk"] and " ok " in rows["recurrent_state_fused_recurrent"]
-    assert "skip" in rows["q_after_conv"] and "numpy kernels only: no layer_extend" in rows["out"]
+    assert "skip" in rows["q_after_conv"] and "implements no layer" in rows["out"]
     assert "decode-all" in out and "call by call" not in out
 
 
