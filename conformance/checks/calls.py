@@ -8,7 +8,6 @@ there is one); each result is computed once per case for every check that needs 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -173,27 +172,11 @@ class ImplementationCalls:
     def _decode(self, case: CaseData, dtype: str, k: int | None) -> tuple[np.ndarray, np.ndarray]:
         seq_lens, cu = case.info.seq_lens, case.cu_seqlens
         steps = sequences.decode_lengths(seq_lens, k)
-        if max(steps) == 0:
-            raise CheckSkipped("every sequence is 1 token long: no decode step follows a non-empty prefill")
-        x = self.inputs(case, dtype)
-        prefill = [(0, n - s) for n, s in zip(seq_lens, steps)]
-        result = self.extend(
-            dtype,
-            sequences.gather(x, cu, prefill),
-            sequences.offsets([n - s for n, s in zip(seq_lens, steps)]),
-            case.initial_state,
-        )
-        out = np.zeros(x.shape, np.float32)
-        out[sequences.rows(cu, prefill)] = result.out
-        for step in range(max(steps)):
-            positions = [cu[i] + seq_lens[i] - steps[i] + step for i in range(len(seq_lens))]
-            live = [step < s for s in steps]
-            tokens = np.stack([x[p] if on else np.zeros_like(x[0]) for p, on in zip(positions, live)])
-            result = self._decode_step(dtype, tokens, self._carry(result, "decode"))
-            decoded = result.out
-            for i, (p, on) in enumerate(zip(positions, live)):
-                if on:
-                    out[p] = decoded[i]
+        prefill, calls = self._decode_run(case, dtype, k)
+        out = np.zeros(self.inputs(case, dtype).shape, np.float32)
+        out[sequences.rows(cu, [(0, n - s) for n, s in zip(seq_lens, steps)])] = prefill.out
+        for positions, result in calls:
+            out[positions] = result.out
         token_rows = sequences.rows(cu, [(n - s, n) for n, s in zip(seq_lens, steps)])
         return out, token_rows
 
@@ -202,24 +185,11 @@ class ImplementationCalls:
         return self._results.get(("chunked", dtype), lambda: self._chunked_prefill(case, dtype))
 
     def _chunked_prefill(self, case: CaseData, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
-        pieces = sequences.chunked_prefill_pieces(case.info.seq_lens)
-        if len(pieces) < 2:
-            raise CheckSkipped(
-                f"the shortest sequence has {min(case.info.seq_lens)} token: every call needs a piece of each"
-            )
-        x, cu = self.inputs(case, dtype), case.cu_seqlens
-        out = np.zeros(x.shape, np.float32)
-        result = None
-        for ranges in pieces:
-            result = self.extend(
-                dtype,
-                sequences.gather(x, cu, ranges),
-                sequences.offsets([hi - lo for lo, hi in ranges]),
-                case.initial_state if result is None else None,
-                None if result is None else self._carry(result, "chunked prefill"),
-            )
-            out[sequences.rows(cu, ranges)] = result.out
-        return out, result.final_state
+        out = np.zeros(self.inputs(case, dtype).shape, np.float32)
+        calls = self.chunked_prefill_steps(case, dtype)
+        for rows, result in calls:
+            out[rows] = result.out
+        return out, calls[-1][1].final_state
 
     def extend(
         self,
@@ -278,18 +248,25 @@ class ImplementationCalls:
         """`decode`'s run (k steps; None: every token after the first) with the result of each decode
         step, at its rows of the sequences still decoding (the rest are zero tokens, left out of the
         result too), with the case's token positions of those rows."""
-        return self._results.get(("decode-steps", dtype, k), lambda: self._decode_steps(case, dtype, k))
+        return self._decode_run(case, dtype, k)[1]
 
-    def _decode_steps(
+    def _decode_run(
         self, case: CaseData, dtype: str, k: int | None
-    ) -> list[tuple[np.ndarray, LayerResult]]:
+    ) -> tuple[LayerResult, list[tuple[np.ndarray, LayerResult]]]:
+        """The prefill of all but the last k tokens of each sequence, and each decode step's result at
+        the sequences still decoding, with their token positions; once per (dtype, k)."""
+        return self._results.get(("decode-run", dtype, k), lambda: self._run_decode(case, dtype, k))
+
+    def _run_decode(
+        self, case: CaseData, dtype: str, k: int | None
+    ) -> tuple[LayerResult, list[tuple[np.ndarray, LayerResult]]]:
         seq_lens, cu = case.info.seq_lens, case.cu_seqlens
         steps = sequences.decode_lengths(seq_lens, k)
         if max(steps) == 0:
             raise CheckSkipped("every sequence is 1 token long: no decode step follows a non-empty prefill")
         x = self.inputs(case, dtype)
         prefill = [(0, n - s) for n, s in zip(seq_lens, steps)]
-        result = self.extend(
+        result = prefilled = self.extend(
             dtype,
             sequences.gather(x, cu, prefill),
             sequences.offsets([n - s for n, s in zip(seq_lens, steps)]),
@@ -302,7 +279,7 @@ class ImplementationCalls:
             tokens = np.stack([x[p] if step < s else np.zeros_like(x[0]) for p, s in zip(positions, steps)])
             result = self._decode_step(dtype, tokens, self._carry(result, "decode"))
             calls.append((np.array([positions[i] for i in live]), _rows_of(result, live)))
-        return calls
+        return prefilled, calls
 
     def chunked_prefill_steps(self, case: CaseData, dtype: str) -> list[tuple[np.ndarray, LayerResult]]:
         """`chunked_prefill`'s run with the result of every call: each piece with the case's token
@@ -331,12 +308,12 @@ class ImplementationCalls:
 
 
 def _rows_of(result: LayerResult, rows: list[int]) -> LayerResult:
-    """A decode step's result at the batch rows `rows` (its output and per-token intermediates; the
-    carry and final states whole)."""
+    """A decode step's result at the batch rows `rows`: its output and per-token intermediates, without
+    its carry and final states (a long decode keeps every step's result)."""
     tokens = len(result.out)
     intermediates = {
         name: np.asarray(value)[rows]
         for name, value in result.intermediates.items()
         if np.ndim(value) and len(value) == tokens
     }
-    return dataclasses.replace(result, out=np.asarray(result.out)[rows], intermediates=intermediates)
+    return LayerResult(np.asarray(result.out)[rows], intermediates=intermediates)

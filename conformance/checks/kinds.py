@@ -17,7 +17,6 @@ import dataclasses
 import functools
 import re
 
-from conformance.judging.positions import DECODE_POSITIONS, LAYER_POSITIONS
 from kda_spec import dump_format as fmt
 
 OUT_AXES = ("token", "channel")
@@ -159,11 +158,13 @@ CHUNKED_PREFILL_STATE = dataclasses.replace(
     CHUNKED_PREFILL, pattern="chunked-prefill-state", result="recurrent_state", axes=STATE_AXES,
     reference="the dump's final state (carried across the three pieces)",
 )  # fmt: skip
+# A long case's error by position (conformance/judging/positions.py): the prefill's output, or the output
+# of a prefill followed by its `decode_steps` decode steps (its rows from the prefill, then the decoded ones).
 BY_POSITION_LAYER = CheckKind(
-    LAYER_POSITIONS, "layer", LAYER_CALLS, "out", OUT_AXES, "the dump's out, window by window"
+    "layer-positions", "layer", LAYER_CALLS, "out", OUT_AXES, "the dump's out, window by window"
 )
 BY_POSITION_DECODE = CheckKind(
-    DECODE_POSITIONS, "decode", DECODE_CALLS, "out", OUT_AXES,
+    "decode-positions", "decode", DECODE_CALLS, "out", OUT_AXES,
     "the dump's out, window by window, the case's last tokens decoded",
 )  # fmt: skip
 SERVING = CheckKind(

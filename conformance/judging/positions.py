@@ -21,10 +21,6 @@ from conformance.judging.measurement import Measurement, elements_outside
 from conformance.judging.verdict import Criterion, worst_ratio
 
 WINDOW_TOKENS = 256
-# The checks of a long case that measure the error by position: the prefill's output, or the output of
-# a prefill followed by `decode_steps` decode steps (its rows from the prefill, then the decoded ones).
-LAYER_POSITIONS = "layer-positions"
-DECODE_POSITIONS = "decode-positions"
 # The gate of a position check is always the relative one, window by window: over tens of thousands of
 # tokens the question is whether the implementation drifts from the truth faster than the reference.
 POSITIONS_MODE = "relative"
