@@ -163,9 +163,9 @@ CHUNKED_PREFILL_STATE = dataclasses.replace(
 BY_POSITION_LAYER = CheckKind(
     "layer-positions", "layer", LAYER_CALLS, "out", OUT_AXES, "the dump's out, window by window"
 )
-BY_POSITION_DECODE = CheckKind(
-    "decode-positions", "decode", DECODE_CALLS, "out", OUT_AXES,
-    "the dump's out, window by window, the case's last tokens decoded",
+BY_POSITION_DECODE = dataclasses.replace(
+    BY_POSITION_LAYER, pattern="decode-positions", group="decode", needs=DECODE_CALLS,
+    reference="the dump's out, window by window, the case's last tokens decoded",
 )  # fmt: skip
 SERVING = CheckKind(
     "serving-{arg}", SERVING_GROUP, (*SERVING_CALLS, *LAYER_CALLS), "out", OUT_AXES,
