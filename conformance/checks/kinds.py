@@ -51,7 +51,6 @@ class CheckKind:
     contract: whether the bf16 precision contract has a model of its result (no rounding point inside
               the kernels).
     kernel:   a kernel kind's path as in the dump's keys (`chunk`, `fused_recurrent`).
-    reference: what the implementation's result is compared with, in words (docs, `diff`).
     """
 
     pattern: str
@@ -59,7 +58,6 @@ class CheckKind:
     needs: tuple[str, ...]
     result: str
     axes: tuple[str, ...]
-    reference: str
     truth: str | None = LAYER_TRUTH
     no_truth: str = ""
     contract: bool = True
@@ -116,6 +114,8 @@ class Check:
 
 
 def _kernel(path: str, label: str, which: str) -> CheckKind:
+    """A kernel's output (`which` "o") or final state ("state") on the dumped kernel inputs, against the
+    reference kernel's."""
     state = which == "state"
     return CheckKind(
         pattern=f"kernel-{label}{'-state' if state else ''}",
@@ -123,73 +123,53 @@ def _kernel(path: str, label: str, which: str) -> CheckKind:
         needs=(f"{'chunk' if path == 'chunk' else 'recurrent'}_kernel",),
         result=which,
         axes=STATE_AXES if state else HEAD_AXES,
-        reference=f"the dump's {'recurrent_state' if state else 'o_kda'}_{path} (the reference kernel on "
-        "the same inputs)",
         truth=KERNEL_TRUTH,
         contract=False,
         kernel=path,
     )
 
 
-LAYER = CheckKind("layer", "layer", LAYER_CALLS, "out", OUT_AXES, "the dump's out")
-LAYER_STATE = CheckKind(
-    "layer-state", "layer", LAYER_CALLS, "recurrent_state", STATE_AXES,
-    "the dump's final state of the layer's kernel path",
-)  # fmt: skip
+# What each kind compares is the function registered for it (module docstring); in short, with the
+# reference each is compared with:
+# the dump's out, and the final state of the layer's kernel path;
+LAYER = CheckKind("layer", "layer", LAYER_CALLS, "out", OUT_AXES)
+LAYER_STATE = CheckKind("layer-state", "layer", LAYER_CALLS, "recurrent_state", STATE_AXES)
+# the reference kernels' results on the same inputs;
 KERNEL_CHUNK = _kernel("chunk", "chunk", "o")
 KERNEL_CHUNK_STATE = _kernel("chunk", "chunk", "state")
 KERNEL_RECURRENT = _kernel("fused_recurrent", "recurrent", "o")
 KERNEL_RECURRENT_STATE = _kernel("fused_recurrent", "recurrent", "state")
-INTERMEDIATE = CheckKind(
-    "{arg}", "intermediate", LAYER_CALLS, "{arg}", HEAD_AXES, "the dump's intermediate of that name"
-)
-DECODE = CheckKind(
-    "decode-{arg}", "decode", DECODE_CALLS, "out", OUT_AXES,
-    "the dump's out at the decoded tokens (prefill of the rest, then one token a step)",
-)  # fmt: skip
-DECODE_SELF = dataclasses.replace(
-    DECODE, pattern="decode-{arg}-self",
-    reference="the implementation's own prefill of the whole case, at the decoded tokens",
-)  # fmt: skip
-CHUNKED_PREFILL = CheckKind(
-    "chunked-prefill", "chunked", LAYER_CALLS, "out", OUT_AXES, "the dump's out (the case in three pieces)"
-)
+# the dump's intermediate of the argument's name;
+INTERMEDIATE = CheckKind("{arg}", "intermediate", LAYER_CALLS, "{arg}", HEAD_AXES)
+# the prefill of the rest, then one token a step: the dump's out at the decoded tokens, and (-self) the
+# implementation's own prefill of the whole case there;
+DECODE = CheckKind("decode-{arg}", "decode", DECODE_CALLS, "out", OUT_AXES)
+DECODE_SELF = dataclasses.replace(DECODE, pattern="decode-{arg}-self")
+# the case in three pieces, each call continuing the last: the dump's out and final state;
+CHUNKED_PREFILL = CheckKind("chunked-prefill", "chunked", LAYER_CALLS, "out", OUT_AXES)
 CHUNKED_PREFILL_STATE = dataclasses.replace(
-    CHUNKED_PREFILL, pattern="chunked-prefill-state", result="recurrent_state", axes=STATE_AXES,
-    reference="the dump's final state (carried across the three pieces)",
-)  # fmt: skip
-# A long case's error by position (conformance/judging/positions.py): the prefill's output, or the output
-# of a prefill followed by its `decode_steps` decode steps (its rows from the prefill, then the decoded ones).
-BY_POSITION_LAYER = CheckKind(
-    "layer-positions", "layer", LAYER_CALLS, "out", OUT_AXES, "the dump's out, window by window"
+    CHUNKED_PREFILL, pattern="chunked-prefill-state", result="recurrent_state", axes=STATE_AXES
 )
-BY_POSITION_DECODE = dataclasses.replace(
-    BY_POSITION_LAYER, pattern="decode-positions", group="decode", needs=DECODE_CALLS,
-    reference="the dump's out, window by window, the case's last tokens decoded",
+# a long case's error by position (conformance/judging/positions.py), window by window: the prefill's
+# output, or the output of a prefill followed by its `decode_steps` decode steps;
+BY_POSITION_LAYER = CheckKind("layer-positions", "layer", LAYER_CALLS, "out", OUT_AXES)
+BY_POSITION_DECODE = CheckKind("decode-positions", "decode", DECODE_CALLS, "out", OUT_AXES)
+# each request of a scenario run alone (one layer_extend from zero states): its outputs, final
+# recurrent state and final conv state;
+SERVING = CheckKind("serving-{arg}", SERVING_GROUP, (*SERVING_CALLS, *LAYER_CALLS), "out", OUT_AXES)
+SERVING_STATE = dataclasses.replace(
+    SERVING, pattern="serving-{arg}-state", result="recurrent_state", axes=STATE_AXES
+)
+SERVING_CONV = dataclasses.replace(
+    SERVING, pattern="serving-{arg}-conv", result="final_conv_state", axes=CONV_AXES, truth=None,
+    no_truth="no float64 truth of the conv state", contract=False,
 )  # fmt: skip
-SERVING = CheckKind(
-    "serving-{arg}", SERVING_GROUP, (*SERVING_CALLS, *LAYER_CALLS), "out", OUT_AXES,
-    "each request run alone (one layer_extend from zero states)",
-)  # fmt: skip
-SERVING_STATE = CheckKind(
-    "serving-{arg}-state", SERVING_GROUP, (*SERVING_CALLS, *LAYER_CALLS), "recurrent_state", STATE_AXES,
-    "each request's final state run alone",
-)  # fmt: skip
-SERVING_CONV = CheckKind(
-    "serving-{arg}-conv", SERVING_GROUP, (*SERVING_CALLS, *LAYER_CALLS), "final_conv_state", CONV_AXES,
-    "each request's final conv state run alone", truth=None, no_truth="no float64 truth of the conv state",
-    contract=False,
-)  # fmt: skip
+# to the bit: the slots outside each batch before it, and the outputs of the scenario it is `same_as`.
 SERVING_UNTOUCHED = CheckKind(
-    "serving-{arg}-untouched", SERVING_GROUP, SERVING_CALLS, "slot states", (),
-    "the same slots before the forward, to the bit", truth=None,
+    "serving-{arg}-untouched", SERVING_GROUP, SERVING_CALLS, "slot states", (), truth=None,
     no_truth="bit-exact: no float64 truth applies", contract=False,
 )  # fmt: skip
-SERVING_IDENTICAL = CheckKind(
-    "serving-{arg}-identical", SERVING_GROUP, SERVING_CALLS, "out", (),
-    "the outputs of the scenario it is the same as, to the bit", truth=None,
-    no_truth="bit-exact: no float64 truth applies", contract=False,
-)  # fmt: skip
+SERVING_IDENTICAL = dataclasses.replace(SERVING_UNTOUCHED, pattern="serving-{arg}-identical", result="out")
 
 KINDS = (
     LAYER,

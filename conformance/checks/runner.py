@@ -14,7 +14,7 @@ from conformance.adapters.guard import CallWatchdog
 from conformance.checks import kinds
 from conformance.checks.calls import ImplementationCalls, l2norm
 from conformance.checks.catalogue import CheckSkipped, CheckSpec
-from conformance.checks.kinds import HEAD_AXES, OUT_AXES, STATE_AXES, CheckKind
+from conformance.checks.kinds import CheckKind
 from conformance.checks.memo import Memo
 from conformance.checks.reductions import reduction_of
 from conformance.checks.truth import (
@@ -257,7 +257,7 @@ class CheckRunner:
             actual, _ = self.calls.decode_full(case, dtype, decode_steps)
         else:
             actual = np.asarray(self.calls.layer(case, dtype).out)
-        sides = Sides(actual, self.expected(case, "out", dtype), OUT_AXES)
+        sides = Sides(actual, self.expected(case, "out", dtype), spec.kind.axes)
         try:
             truth, source = self.layer_truth(case, "out", dtype)
         except NoTruth as missing:
@@ -271,7 +271,7 @@ class CheckRunner:
             sides.expected,
             truth,
             measured.tolerance,
-            self.relative_limits(spec, measured.tolerance, truth, OUT_AXES),
+            self.relative_limits(spec, measured.tolerance, truth, sides.axes),
             case_id=case.info.case_id,
             dtype=dtype,
             check=spec.check,
@@ -335,12 +335,13 @@ class CheckRunner:
         """The implementation's result and the reference of one check: its kind's function (`_SIDES`)."""
         return _SIDES[spec.kind](self, case, spec)
 
-    def state_sides(self, case: CaseData, dtype: str, state: np.ndarray | None) -> Sides:
+    def state_sides(self, case: CaseData, spec: CheckSpec, state: np.ndarray | None) -> Sides:
         """A final state of the layer against the dump's state of the layer's kernel path."""
         if state is None:
-            raise CheckSkipped(f"adapter {self.calls.adapter(dtype).name!r} returns no final recurrent state")
-        reference = self.expected(case, f"recurrent_state_{case.info.layer_kernel_path}", dtype)
-        return Sides(np.asarray(state), reference, STATE_AXES)
+            name = self.calls.adapter(spec.dtype).name
+            raise CheckSkipped(f"adapter {name!r} returns no final recurrent state")
+        reference = self.expected(case, f"recurrent_state_{case.info.layer_kernel_path}", spec.dtype)
+        return Sides(np.asarray(state), reference, spec.kind.axes)
 
     @staticmethod
     def expected(case: CaseData, name: str, dtype: str) -> np.ndarray:
@@ -371,12 +372,12 @@ def _sides_of(*of: CheckKind) -> Callable[[SidesFunction], SidesFunction]:
 @_sides_of(kinds.LAYER)
 def _layer(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
     out = runner.calls.layer(case, spec.dtype).out
-    return Sides(out, runner.expected(case, "out", spec.dtype), OUT_AXES)
+    return Sides(out, runner.expected(case, "out", spec.dtype), spec.kind.axes)
 
 
 @_sides_of(kinds.LAYER_STATE)
 def _layer_state(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
-    return runner.state_sides(case, spec.dtype, runner.calls.layer(case, spec.dtype).final_state)
+    return runner.state_sides(case, spec, runner.calls.layer(case, spec.dtype).final_state)
 
 
 @_sides_of(*kinds.KERNEL_KINDS)
@@ -384,8 +385,8 @@ def _kernel(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
     kind, dtype = spec.kind, spec.dtype
     o, state = runner.calls.kernel_on_dump(case, dtype, kind.kernel)
     if kind.result == "o":
-        return Sides(o, runner.expected(case, f"o_kda_{kind.kernel}", dtype), HEAD_AXES)
-    return Sides(state, runner.expected(case, f"recurrent_state_{kind.kernel}", dtype), STATE_AXES)
+        return Sides(o, runner.expected(case, f"o_kda_{kind.kernel}", dtype), kind.axes)
+    return Sides(state, runner.expected(case, f"recurrent_state_{kind.kernel}", dtype), kind.axes)
 
 
 @_sides_of(kinds.INTERMEDIATE)
@@ -395,7 +396,7 @@ def _intermediate(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides
     value = runner.calls.layer(case, dtype).intermediates.get(name)
     if value is None:
         raise CheckSkipped(f"adapter {runner.calls.adapter(dtype).name!r} does not expose {name!r}")
-    return Sides(np.asarray(value), reference, HEAD_AXES[: reference.ndim])
+    return Sides(np.asarray(value), reference, spec.kind.axes[: reference.ndim])
 
 
 @_sides_of(kinds.DECODE, kinds.DECODE_SELF)
@@ -406,12 +407,12 @@ def _decode(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
         reference = np.asarray(runner.calls.layer(case, dtype).out)[token_rows]
     else:
         reference = runner.expected(case, "out", dtype)[token_rows]
-    return Sides(decoded, reference, OUT_AXES, {"token": token_rows})
+    return Sides(decoded, reference, spec.kind.axes, {"token": token_rows})
 
 
 @_sides_of(kinds.CHUNKED_PREFILL, kinds.CHUNKED_PREFILL_STATE)
 def _chunked_prefill(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
     out, state = runner.calls.chunked_prefill(case, spec.dtype)
     if spec.kind == kinds.CHUNKED_PREFILL:
-        return Sides(out, runner.expected(case, "out", spec.dtype), OUT_AXES)
-    return runner.state_sides(case, spec.dtype, state)
+        return Sides(out, runner.expected(case, "out", spec.dtype), spec.kind.axes)
+    return runner.state_sides(case, spec, state)

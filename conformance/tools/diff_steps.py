@@ -26,7 +26,7 @@ from conformance.adapter import LayerResult
 from conformance.adapters.guard import LAYER_KERNEL_OUTPUT
 from conformance.checks import kinds
 from conformance.checks.catalogue import CheckSkipped, CheckSpec
-from conformance.checks.kinds import HEAD_AXES, OUT_AXES, CheckKind, parse_check
+from conformance.checks.kinds import HEAD_AXES, CheckKind, parse_check
 from conformance.checks.runner import CheckResult, CheckRunner, Sides
 from conformance.dumps.reader import CaseData
 from conformance.reports.check_record import summary
@@ -151,7 +151,7 @@ def _walked(
     for step in walked.steps:
         try:
             step.checked = _judged(
-                runner, case, out_spec, step.result.out, expected, step.positions, OUT_AXES
+                runner, case, out_spec, step.result.out, expected, step.positions, out_spec.kind.axes
             )
         except CheckSkipped as skip:
             step.skipped = str(skip)
