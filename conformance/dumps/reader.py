@@ -309,6 +309,8 @@ def _relative_path(value: Any, label: str) -> str:
     """`value` if it is a relative POSIX path that stays inside the set, else a DumpError naming it."""
     if not isinstance(value, str) or not value:
         raise DumpError(f"{label} must be a non-empty string, found {value!r}")
+    if not value.isprintable():  # a control character would break the message's line, and names no file
+        raise DumpError(f"{label} must be a file name of printable characters, found {value!r}")
     parts = value.split("/")
     if value.startswith("/") or "\\" in value or ":" in value or any(p in ("", ".", "..") for p in parts):
         raise DumpError(

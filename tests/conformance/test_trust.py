@@ -94,6 +94,13 @@ def test_a_case_file_that_is_not_a_plain_relative_path_is_refused(dumps: Path, c
     assert "cases[1]: 'file' must be a relative path inside the set" in err and repr(path) in err
 
 
+@pytest.mark.parametrize("path", ["\x1e", "cases/T8\n.npz", "weights\u2028.npz"])
+def test_a_file_name_with_a_control_character_is_refused_on_one_line(dumps: Path, capsys, path: str) -> None:
+    _edit_manifest(dumps, lambda m: m["weights"].update(file=path))
+    err = _error_line(capsys, ["verify", "--dumps", str(dumps)])
+    assert "weights.file must be a file name of printable characters" in err and repr(path) in err
+
+
 # ------------------------------------------------------------------------------ manifest field types
 
 MANIFEST_EDITS: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
