@@ -209,7 +209,7 @@ def generate(
     dump_set.write_weights(weights, weights_source)
     kernels = kernel_backend(device)
     runners = {dtype: reference.build(weights, torch_dtype) for dtype, torch_dtype in RUN_DTYPES.items()}
-    truth_weights = {dtype: run_weights(weights, dtype) for dtype in RUN_DTYPES}
+    truth_weights = {dtype: run_weights(weights, dtype, config) for dtype in RUN_DTYPES}
     stored_truth: set[str] = set()
     bar = tqdm(cases, desc="dump", unit="case", disable=not progress)
     for case in bar:

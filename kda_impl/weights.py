@@ -20,7 +20,8 @@ from kda_impl.models.kimi_linear import PARAM_SPECS, KimiDeltaAttention
 from kda_impl.parallel.mesh import put
 from kda_spec.checkpoint import read_checkpoint_layer
 from kda_spec.config import KDAConfig
-from kda_spec.weight_names import FP32_WEIGHTS, hf_weight_shapes, layer_prefix
+from kda_spec.families import canonical_weights
+from kda_spec.weight_names import hf_weight_shapes, layer_prefix
 
 # torch layout -> JAX layout, given the target parameter's shape.
 Transform = Callable[[np.ndarray, tuple[int, ...]], np.ndarray]
@@ -38,7 +39,7 @@ def _reshaped(w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return w.reshape(shape)  # A_log [1, 1, H, 1] -> [H]; dt_bias [P] -> [H, D]; o_norm [D]
 
 
-# HF name -> (attribute path of the nnx parameter, layout transform).
+# Canonical HF name (kda_spec.families) -> (attribute path of the nnx parameter, layout transform).
 _PARAM_MAP: dict[str, tuple[tuple[str, ...], Transform]] = {
     "q_proj.weight": (("q_proj", "kernel"), _transposed),
     "k_proj.weight": (("k_proj", "kernel"), _transposed),
@@ -81,12 +82,13 @@ def load_layer_weights(
         found = tuple(np.shape(layer[name]))
         if found != shape:
             raise ValueError(f"{source}: weight {name!r} has shape {found}, expected {shape}")
+    canonical = canonical_weights(config, layer)
     for name, (path, to_jax) in _PARAM_MAP.items():
         param = module
         for attr in path:
             param = getattr(param, attr)
-        dtype = jnp.float32 if name in FP32_WEIGHTS else module.dtype
-        value = to_jax(np.asarray(layer[name]), param.shape).astype(dtype)
+        dtype = jnp.float32 if name in config.kda_family.fp32_canonical else module.dtype
+        value = to_jax(np.asarray(canonical[name]), param.shape).astype(dtype)
         param.set_value(put(value, module.mesh, PARAM_SPECS[path]))
 
 

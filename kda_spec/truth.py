@@ -6,7 +6,9 @@ by one oracle.
 
 numpy only, straight from the layer's math (docs/kda-layer.md, "Forward"): projections, the causal
 depthwise short conv per sequence (zero conv state at each sequence start) and silu, the gate
-`g = -exp(A_log) * softplus(f)` (softplus `z` for `z > 20`, else `log1p(exp(z))`), `beta = sigmoid`,
+of the layer's family (`kda_spec.families`): Kimi-Linear's `g = -exp(A_log) * softplus(f)` (softplus
+`z` for `z > 20`, else `log1p(exp(z))`) or the lower-bound `g = L * sigmoid(exp(A_log) * f)`, with
+`f = f_b_proj(f_a_proj(x)) + dt_bias`; `beta = sigmoid`,
 the L2 norm of q and k with 1e-6, the delta rule token by token from each sequence's initial state,
 the gated RMSNorm with the config's eps, and `o_proj`. Every function computes in the dtype it is
 given (`layer_truth(..., dtype=...)`): float64 for the dumps; the tests run the same code in float32
@@ -41,7 +43,8 @@ import ml_dtypes
 import numpy as np
 
 from kda_spec.config import KDAConfig
-from kda_spec.weight_names import FP32_WEIGHTS
+from kda_spec.families import canonical_weights
+from kda_spec.weight_names import fp32_weights
 
 IMPLEMENTATION = (
     "kda_spec.truth: the layer's math re-implemented in numpy float64 (projections, causal short conv, "
@@ -60,12 +63,14 @@ def bf16_rounded(array: np.ndarray) -> np.ndarray:
     return np.asarray(array, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def run_weights(weights: Mapping[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
-    """The weights the `dtype` run ("fp32" or "bf16") computes with: in the bf16 run rounded to bf16,
-    except FP32_WEIGHTS (A_log, dt_bias), which it keeps in fp32. The truth of a run starts from these."""
+def run_weights(weights: Mapping[str, np.ndarray], dtype: str, config: KDAConfig) -> dict[str, np.ndarray]:
+    """The weights (`config`'s family's names) the `dtype` run ("fp32" or "bf16") computes with: in the
+    bf16 run rounded to bf16, except the family's fp32 weights (`weight_names.fp32_weights`: A_log and
+    dt_bias, and GLM's fused conv), which it keeps in fp32. The truth of a run starts from these."""
     if dtype == "fp32":
         return dict(weights)
-    return {name: array if name in FP32_WEIGHTS else bf16_rounded(array) for name, array in weights.items()}
+    kept = fp32_weights(config)
+    return {name: array if name in kept else bf16_rounded(array) for name, array in weights.items()}
 
 
 def run_hidden_states(hidden_states: np.ndarray, dtype: str) -> np.ndarray:
@@ -81,6 +86,16 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 def softplus(z: np.ndarray) -> np.ndarray:
     """`z` for `z > 20`, else `log1p(exp(z))` (the reference's threshold)."""
     return np.where(z > SOFTPLUS_THRESHOLD, z, np.log1p(np.exp(np.minimum(z, SOFTPLUS_THRESHOLD))))
+
+
+def forget_gate(f: np.ndarray, a_log: np.ndarray, config: KDAConfig) -> np.ndarray:
+    """The log decay `g` [T, H, D] from the gate's input `f` [T, H, D] (`dt_bias` added) and `A_log`
+    (H values), in the family's form: `-exp(A_log) * softplus(f)`, or `L * sigmoid(exp(A_log) * f)` for
+    a lower-bound family with `L = config.gate_lower_bound`."""
+    rate = np.exp(a_log.reshape(config.num_heads, 1))
+    if config.kda_family.lower_bound_gate:
+        return np.asarray(config.gate_lower_bound, f.dtype) * sigmoid(rate * f)
+    return -rate * softplus(f)
 
 
 def short_conv(u: np.ndarray, weight: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
@@ -166,13 +181,14 @@ def layer_truth(
     """The layer on one packed batch, every step in `dtype`: `out` [T, hidden], `recurrent_state`
     [N, H, D, D] and the dump's intermediates (`q_after_conv` ... `o_norm`), by their dump names.
 
-    `weights` by HF name (kda_spec.weight_names), `hidden_states` [T, hidden], `cu_seqlens` [N+1],
+    `weights` by HF name of `config`'s family (kda_spec.weight_names), `hidden_states` [T, hidden],
+    `cu_seqlens` [N+1],
     `initial_state` [N, H, D, D] or None (zeros); whatever their dtype, they are converted exactly.
     `rounded`: applied at the precision contract's bf16 rounding points (`_layer`); None rounds nowhere.
     `operand`: applied to both operands of every projection, the product then exact (a matmul that
     rounds its inputs: `operand_rounding`); None leaves them as they are.
     """
-    w = {name: np.asarray(array, dtype) for name, array in weights.items()}
+    w = {name: np.asarray(array, dtype) for name, array in canonical_weights(config, weights).items()}
     spans = list(itertools.pairwise(np.asarray(cu_seqlens).tolist()))
 
     def recurrence(
@@ -234,7 +250,7 @@ def layer_output_truth(
     block left. Memory grows with `block_tokens`, not with T. `rounded` as for `layer_truth`."""
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
-    w = {name: np.asarray(array, dtype) for name, array in weights.items()}
+    w = {name: np.asarray(array, dtype) for name, array in canonical_weights(config, weights).items()}
     x = np.asarray(hidden_states, dtype)
     heads, dim, tail = config.num_heads, config.head_dim, config.conv_size - 1
     out = np.empty((x.shape[0], w["o_proj.weight"].shape[0]), dtype)
@@ -281,10 +297,11 @@ def _layer(
     rounded: Callable[[np.ndarray], np.ndarray] = _exact,
     operand: Callable[[np.ndarray], np.ndarray] = _exact,
 ) -> dict[str, np.ndarray]:
-    """The layer's math on the rows `x[skip:]` of `x` [T, hidden], `x[:skip]` being only the short conv's
-    context; `spans` the sequences of `x`, each from a zero conv state; `recurrence(q, k, v, g, beta)`
-    the delta rule from the right initial states, returning (o, final states). Every result by its dump
-    name: `out`, `recurrent_state` (what `recurrence` returns) and the intermediates.
+    """The layer's math with canonical weights `w` on the rows `x[skip:]` of `x` [T, hidden], `x[:skip]`
+    being only the short conv's context; `spans` the sequences of `x`, each from a zero conv state;
+    `recurrence(q, k, v, g, beta)` the delta rule from the right initial states, returning (o, final
+    states). Every result by its dump name: `out`, `recurrent_state` (what `recurrence` returns) and
+    the intermediates.
 
     `rounded` is applied at each bf16 rounding point of the precision contract (docs/bf16-rounding.md):
     every projection's output, the conv after silu, the kernel output o, the gated norm's output and
@@ -306,7 +323,7 @@ def _layer(
     )
     x = x[skip:]
     f = per_head(projected(projected(x, "f_a_proj"), "f_b_proj") + w["dt_bias"])
-    g = -np.exp(w["A_log"].reshape(heads, 1)) * softplus(f)
+    g = forget_gate(f, w["A_log"], config)
     beta = sigmoid(projected(x, "b_proj"))
     g_out = per_head(projected(projected(x, "g_a_proj"), "g_b_proj"))
     o, states = recurrence(l2_normalised(q), l2_normalised(k), v, g, beta)

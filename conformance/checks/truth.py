@@ -107,7 +107,7 @@ def computed_matmul_model(
     if case.info.total_tokens > COMPUTE_MAX_TOKENS:
         raise NoTruth(f"no reduced-precision model of a case of over {COMPUTE_MAX_TOKENS} tokens")
     return layer_truth(
-        run_weights(weights, "fp32"),
+        run_weights(weights, "fp32", config),
         run_hidden_states(case.hidden_states, "fp32"),
         case.cu_seqlens,
         case.initial_state,
@@ -128,7 +128,7 @@ def _computed_layer(
     `recurrent_state` only, computed block by block (`layer_output_truth`), as dump_gen computes the long
     cases' stored truth."""
     args = (
-        run_weights(weights, dtype),
+        run_weights(weights, dtype, config),
         run_hidden_states(case.hidden_states, dtype),
         case.cu_seqlens,
         case.initial_state,

@@ -29,7 +29,6 @@ from conformance.search.report import REPORT_FILE, SearchProgress, Tally, check_
 from conformance.search.space import MAX_SEQS, MAX_TOKENS, case_strategy
 from kda_spec.config import KDAConfig, get_preset
 from kda_spec.synthetic_weights import stress_weights, synthetic_weights
-from kda_spec.weight_names import FP32_WEIGHTS
 
 STRESS = "stress"
 
@@ -72,7 +71,7 @@ def weight_sets(
         config = get_preset(preset)
         base, name, source = synthetic_weights(config, seed), "synthetic", f"synthetic:{preset}@{seed}"
     stress = stress_weights(config, seed)
-    stressed = {**base, **{key: stress[key] for key in FP32_WEIGHTS}}
+    stressed = {**base, **{key: stress[key] for key in config.kda_family.decay_parameters}}
     return config, {name: base, STRESS: stressed}, {name: source, STRESS: f"{source}+stress-gate@{seed}"}
 
 

@@ -60,7 +60,9 @@ def plain_pipeline(
     the bf16 run's rounding as the precision contract rounds."""
     rounded = bf16_contract_rounding if dtype == "bf16" else None
     x = run_hidden_states(hidden_states, dtype)
-    return layer_truth(run_weights(weights, dtype), x, cu_seqlens, initial_state, config, np.float32, rounded)
+    return layer_truth(
+        run_weights(weights, dtype, config), x, cu_seqlens, initial_state, config, np.float32, rounded
+    )
 
 
 def case_arrays(
@@ -70,7 +72,7 @@ def case_arrays(
     (the reference) and their float64 truth. `weights` float32 by HF name."""
     x, cu, init = inputs.hidden_states, inputs.cu_seqlens, inputs.initial_state
     reference = plain_pipeline(x, cu, init, weights, config, dtype)
-    truth = layer_truth(run_weights(weights, dtype), run_hidden_states(x, dtype), cu, init, config)
+    truth = layer_truth(run_weights(weights, dtype, config), run_hidden_states(x, dtype), cu, init, config)
     arrays: dict[str, np.ndarray] = {"hidden_states": x, "cu_seqlens": cu}
     if init is not None:
         arrays["initial_recurrent_state"] = init

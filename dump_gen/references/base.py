@@ -11,7 +11,6 @@ import torch
 from dump_gen.capture import KERNEL_INPUTS, KernelCall, NormCall
 from dump_gen.inputs import CaseInputs
 from kda_spec.extras import installed_versions
-from kda_spec.weight_names import FP32_WEIGHTS
 
 _VERSIONED = ("torch", "transformers", "fla-core", "flash-linear-attention", "triton", "numpy")
 
@@ -54,15 +53,20 @@ def device_description(device: str) -> str:
 
 
 def load_layer(
-    module: torch.nn.Module, state_dict: dict[str, np.ndarray], dtype: torch.dtype, device: str
+    module: torch.nn.Module,
+    state_dict: dict[str, np.ndarray],
+    dtype: torch.dtype,
+    device: str,
+    fp32_parameters: frozenset[str],
 ) -> torch.nn.Module:
-    """`module` on `device` in `dtype` (FP32_WEIGHTS kept float32) holding `state_dict`, in eval mode.
+    """`module` on `device` in `dtype` holding `state_dict`, in eval mode; its parameters named in
+    `fp32_parameters` (the family's fp32 weights under the module's names) stay float32.
 
     The float32 masters are copied into the cast parameters, so each value is rounded once.
     """
     module.to(device=device, dtype=dtype)
     for name, parameter in module.named_parameters():
-        if name.rsplit(".", 1)[-1] in FP32_WEIGHTS:
+        if name in fp32_parameters:
             parameter.data = parameter.data.float()
     module.load_state_dict({name: torch.from_numpy(array) for name, array in state_dict.items()}, strict=True)
     return module.eval()

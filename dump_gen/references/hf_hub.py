@@ -134,7 +134,7 @@ class HubReference:
     def build(self, weights: dict[str, np.ndarray], dtype: torch.dtype) -> HubRunner:
         layer = self.layer_class(self.hub_config, layer_idx=0)
         check_layout(self.name, module_layout(layer), self.config)
-        layer = load_layer(layer, weights, dtype, self.device)
+        layer = load_layer(layer, weights, dtype, self.device, self.config.kda_family.fp32_weights)
         return HubRunner(self, layer)
 
 

@@ -25,7 +25,7 @@ from dump_gen.inputs import CaseInputs
 from dump_gen.kernels import PATHS, KernelBackend, KernelCall, kernel_backend
 from dump_gen.references.base import LayerRun, assemble_run, device_description, load_layer, package_versions
 from dump_gen.references.layout import check_layout, module_layout
-from dump_gen.references.transformers_names import hf_to_transformers, transformers_to_hf
+from dump_gen.references.transformers_names import HF_TO_TRANSFORMERS, hf_to_transformers, transformers_to_hf
 from kda_spec.config import KDAConfig
 
 # The module-level kernel functions the layer's forward calls, by path; their names for q, k, v, g, beta.
@@ -94,7 +94,8 @@ class TransformersReference:
     def build(self, weights: dict[str, np.ndarray], dtype: torch.dtype) -> TransformersRunner:
         layer = _modeling().KimiLinearDeltaAttention(self.hf_config, layer_idx=0)
         check_layout(self.name, module_layout(layer, transformers_to_hf), self.config)
-        layer = load_layer(layer, hf_to_transformers(weights), dtype, self.device)
+        kept = frozenset(HF_TO_TRANSFORMERS[name] for name in self.config.kda_family.fp32_weights)
+        layer = load_layer(layer, hf_to_transformers(weights), dtype, self.device, kept)
         return TransformersRunner(layer, self.hf_config, self.layer_kernels())
 
 

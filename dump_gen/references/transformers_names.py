@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from kda_spec.weight_names import CONV_NAMES
+from kda_spec.families import CANONICAL_CONVS as CONV_NAMES
 
 TRANSFORMERS_CONV_NAME = "conv1d.weight"
 # HF name -> transformers state_dict name, for every weight but the three convs.

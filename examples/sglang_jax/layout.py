@@ -19,13 +19,15 @@ from __future__ import annotations
 import numpy as np
 
 from kda_spec.config import KDAConfig
-from kda_spec.weight_names import CONV_NAMES, PROJECTIONS, hf_weight_shapes
+from kda_spec.families import CANONICAL_CONVS, canonical_weights
+from kda_spec.weight_names import PROJECTIONS, hf_weight_shapes
 
 UNCHANGED = ("A_log", "dt_bias", "o_norm.weight")
 
 
 def sglang_jax_params(config: KDAConfig, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """HF-named float32 weights → sglang-jax's `KimiDeltaAttention` parameters, by attribute path.
+    """HF-named float32 weights (the config's family's names) → sglang-jax's `KimiDeltaAttention`
+    parameters, by attribute path.
 
     Keys are `q_proj.weight`, `q_conv1d.weight`, `A_log`, ... as the attributes of sglang-jax's
     module; a missing or misshapen HF weight is a ValueError naming it.
@@ -35,8 +37,9 @@ def sglang_jax_params(config: KDAConfig, weights: dict[str, np.ndarray]) -> dict
             raise ValueError(f"weights: missing {name!r} (expected shape {shape})")
         if tuple(weights[name].shape) != shape:
             raise ValueError(f"weights: {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
+    weights = canonical_weights(config, weights)
     params = {f"{name}.weight": np.ascontiguousarray(weights[f"{name}.weight"].T) for name in PROJECTIONS}
-    params.update({name: np.ascontiguousarray(weights[name][:, 0, :]) for name in CONV_NAMES})
+    params.update({name: np.ascontiguousarray(weights[name][:, 0, :]) for name in CANONICAL_CONVS})
     params.update({name: np.asarray(weights[name]) for name in UNCHANGED})
     return params
 

@@ -54,7 +54,10 @@ def test_each_rounding_point_of_kda_impl_holds_the_contract_on_its_own_inputs(ru
     case = runner.case(CASE)
     result = runner.calls.layer(case, "bf16")
     stages = {name: np.asarray(value, np.float64) for name, value in result.intermediates.items()}
-    weight = np.asarray(kda_truth.run_weights(runner.dumps.weights(), "bf16")["o_norm.weight"], np.float64)
+    weight = np.asarray(
+        kda_truth.run_weights(runner.dumps.weights(), "bf16", runner.dumps.config)["o_norm.weight"],
+        np.float64,
+    )
     norm = kda_truth.bf16_contract_rounding(
         kda_truth.gated_rms_norm(stages["o_kda"], stages["g_out"], weight, runner.dumps.config.rms_norm_eps)
     )

@@ -12,7 +12,7 @@ import numpy as np
 
 from kda_spec import truth
 from kda_spec.config import KDAConfig
-from kda_spec.weight_names import FP32_WEIGHTS
+from kda_spec.weight_names import fp32_weights
 from tests.conformance.numpy_adapter import round_bf16
 
 
@@ -26,6 +26,7 @@ def layer_truth(
 ) -> dict[str, np.ndarray]:
     """The float64 output, final recurrent states and intermediates of the `dtype` run, by truth name."""
     rounded = dtype == "bf16"
-    w = {name: round_bf16(a) if rounded and name not in FP32_WEIGHTS else a for name, a in weights.items()}
+    kept = fp32_weights(config)
+    w = {name: round_bf16(a) if rounded and name not in kept else a for name, a in weights.items()}
     x = round_bf16(hidden_states) if rounded else hidden_states
     return truth.layer_truth(w, x, cu_seqlens, initial_state, config, np.float64)

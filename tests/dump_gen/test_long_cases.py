@@ -66,7 +66,7 @@ def test_a_long_case_truth_runs_block_by_block(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(generate, "layer_output_truth", spy)
     monkeypatch.setattr(generate, "BLOCK_TOKENS", 16)
     weights = synthetic_weights(TINY_CONFIG, seed=0)
-    truth_weights = {dtype: run_weights(weights, dtype) for dtype in generate.RUN_DTYPES}
+    truth_weights = {dtype: run_weights(weights, dtype, TINY_CONFIG) for dtype in generate.RUN_DTYPES}
     for case_id, expected_calls in (("T65", [65, 65]), ("T8", [])):
         calls.clear()
         case = fmt.CASES_BY_ID[case_id]
@@ -81,7 +81,7 @@ def test_blockwise_contract_model_is_the_whole_sequence_model(block_tokens: int)
     """The bf16 precision contract's model of a long case (conformance.checks.truth) is computed block by
     block too: the same roundings, so the same values, up to a float64 sum landing on the other side of a bf16
     rounding boundary in a rare element."""
-    weights = run_weights(synthetic_weights(TINY_CONFIG, seed=0), "bf16")
+    weights = run_weights(synthetic_weights(TINY_CONFIG, seed=0), "bf16", TINY_CONFIG)
     inputs = case_inputs(fmt.CASES_BY_ID["varlen_initstate"], TINY_CONFIG, seed=0)
     args = (weights, bf16_rounded(inputs.hidden_states), inputs.cu_seqlens, inputs.initial_state, TINY_CONFIG)
     whole = layer_truth(*args, rounded=bf16_contract_rounding)

@@ -219,14 +219,14 @@ def test_bf16_truth_sees_the_bf16_inputs(transformers_set: Path) -> None:
     arrays = read_npz(str(transformers_set), case["file"], case["sha256"])
     weights = read_npz(str(transformers_set), "weights.npz", manifest["weights"]["sha256"])
     expected = layer_truth(
-        run_weights(weights, "bf16"),
+        run_weights(weights, "bf16", TINY_CONFIG),
         bf16_rounded(arrays["hidden_states"]),
         arrays["cu_seqlens"],
         None,
         TINY_CONFIG,
     )
     np.testing.assert_array_equal(arrays["out_bf16_fp64"], expected["out"])
-    for name, rounded in run_weights(weights, "bf16").items():
+    for name, rounded in run_weights(weights, "bf16", TINY_CONFIG).items():
         if name in ("A_log", "dt_bias"):
             np.testing.assert_array_equal(rounded, weights[name], err_msg=name)
         else:

@@ -89,7 +89,7 @@ def test_bf16_is_no_further_from_the_float64_truth_than_transformers_bf16(runner
     out = np.concatenate(runner.extend(xs, slots).outs)
     expected_outs, expected_states = reference.prefill_packed(xs, initial)
     cu_seqlens = np.cumsum([0, *(len(x) for x in xs)])
-    weights = run_weights(synthetic_weights(runner.config, seed=0), "bf16")
+    weights = run_weights(synthetic_weights(runner.config, seed=0), "bf16", runner.config)
     truth = layer_truth(weights, np.concatenate(xs), cu_seqlens, initial, runner.config)
 
     for name, actual, wanted, true in (
