@@ -20,23 +20,23 @@ from kda_impl.models.kimi_linear import PARAM_SPECS, KimiDeltaAttention
 from kda_impl.parallel.mesh import put
 from kda_spec.checkpoint import read_checkpoint_layer
 from kda_spec.config import KDAConfig
-from kda_spec.families import canonical_weights
+from kda_spec.families import CANONICAL_CONVS, FUSED_CONV, canonical_weights
 from kda_spec.weight_names import hf_weight_shapes, layer_prefix
 
-# torch layout -> JAX layout, given the target parameter's shape.
-Transform = Callable[[np.ndarray, tuple[int, ...]], np.ndarray]
+# torch layout -> JAX layout (then reshaped to the parameter's shape).
+Transform = Callable[[np.ndarray], np.ndarray]
 
 
-def _transposed(w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+def _transposed(w: np.ndarray) -> np.ndarray:
     return w.T  # Linear [out, in] -> kernel [in, out]
 
 
-def _conv_taps(w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+def _conv_taps(w: np.ndarray) -> np.ndarray:
     return w[:, 0, :].T  # [P, 1, W] -> [W, P]
 
 
-def _reshaped(w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    return w.reshape(shape)  # A_log [1, 1, H, 1] -> [H]; dt_bias [P] -> [H, D]; o_norm [D]
+def _unchanged(w: np.ndarray) -> np.ndarray:
+    return w  # A_log [1, 1, H, 1] -> [H]; dt_bias [P] -> [H, D]; o_norm [D]: by the parameter's shape
 
 
 # Canonical HF name (kda_spec.families) -> (attribute path of the nnx parameter, layout transform).
@@ -49,12 +49,12 @@ _PARAM_MAP: dict[str, tuple[tuple[str, ...], Transform]] = {
     "v_conv1d.weight": (("v_conv1d",), _conv_taps),
     "f_a_proj.weight": (("f_a_proj", "kernel"), _transposed),
     "f_b_proj.weight": (("f_b_proj", "kernel"), _transposed),
-    "A_log": (("A_log",), _reshaped),
-    "dt_bias": (("dt_bias",), _reshaped),
+    "A_log": (("A_log",), _unchanged),
+    "dt_bias": (("dt_bias",), _unchanged),
     "b_proj.weight": (("b_proj", "kernel"), _transposed),
     "g_a_proj.weight": (("g_a_proj", "kernel"), _transposed),
     "g_b_proj.weight": (("g_b_proj", "kernel"), _transposed),
-    "o_norm.weight": (("o_norm", "weight"), _reshaped),
+    "o_norm.weight": (("o_norm", "weight"), _unchanged),
     "o_proj.weight": (("o_proj", "kernel"), _transposed),
 }
 
@@ -83,13 +83,30 @@ def load_layer_weights(
         if found != shape:
             raise ValueError(f"{source}: weight {name!r} has shape {found}, expected {shape}")
     canonical = canonical_weights(config, layer)
-    for name, (path, to_jax) in _PARAM_MAP.items():
+    for path, value, kept_fp32 in _parameter_values(config, canonical):
         param = module
         for attr in path:
             param = getattr(param, attr)
-        dtype = jnp.float32 if name in config.kda_family.fp32_canonical else module.dtype
-        value = to_jax(np.asarray(canonical[name]), param.shape).astype(dtype)
-        param.set_value(put(value, module.mesh, PARAM_SPECS[path]))
+        dtype = jnp.float32 if kept_fp32 else module.dtype
+        param.set_value(put(value.reshape(param.shape).astype(dtype), module.mesh, PARAM_SPECS[path]))
+
+
+def _parameter_values(
+    config: KDAConfig, canonical: Mapping[str, np.ndarray]
+) -> list[tuple[tuple[str, ...], np.ndarray, bool]]:
+    """(parameter path, value in JAX layout, kept fp32) of every parameter, from canonical weights: a
+    fused family's three canonical convs go into its one `conv1d` `[W, 3, P]`."""
+    kept = config.kda_family.fp32_canonical
+    fused = config.kda_family.conv == FUSED_CONV
+    values = [
+        (path, to_jax(np.asarray(canonical[name])), name in kept)
+        for name, (path, to_jax) in _PARAM_MAP.items()
+        if not (fused and name in CANONICAL_CONVS)
+    ]
+    if fused:
+        taps = np.stack([_conv_taps(np.asarray(canonical[name])) for name in CANONICAL_CONVS], axis=1)
+        values.append((("conv1d",), taps, CANONICAL_CONVS[0] in kept))
+    return values
 
 
 def layer_from_hf_weights(

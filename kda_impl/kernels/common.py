@@ -31,9 +31,13 @@ def kda_gate(
     raw: jax.Array,  # [..., K] the gate projection before activation
     a_log: jax.Array,  # broadcastable to raw: A_log of each head
     dt_bias: jax.Array,  # broadcastable to raw
+    lower_bound: float | None = None,
 ) -> jax.Array:
-    """The KDA log decay `g = -exp(A_log) * softplus(raw + dt_bias)`, in fp32."""
+    """The KDA log decay in fp32: Kimi-Linear's `g = -exp(A_log) * softplus(raw + dt_bias)`, or with
+    `lower_bound=L` the lower-bound ("safe") gate `g = L * sigmoid(exp(A_log) * (raw + dt_bias))`."""
     raw, a_log, dt_bias = (jnp.asarray(x, jnp.float32) for x in (raw, a_log, dt_bias))
+    if lower_bound is not None:
+        return jnp.float32(lower_bound) * jax.nn.sigmoid(jnp.exp(a_log) * (raw + dt_bias))
     return -jnp.exp(a_log) * softplus(raw + dt_bias)
 
 

@@ -1,4 +1,6 @@
-"""`KimiDeltaAttention`: the KDA layer of Kimi-Linear as a Flax NNX module (RFC §4.6).
+"""`KimiDeltaAttention`: the KDA layer of Kimi-Linear as a Flax NNX module (RFC §4.6), and of every
+family of `kda_spec.families`: the config's family sets the conv's parameters (three `[W, P]` taps, or
+one fused `conv1d` `[W, 3, P]`) and the decay gate's form (softplus, or the lower bound L).
 
 Forward of one packed batch `x [T, hidden]` (docs: the kda-layer spec, steps 1-9):
 projections → q|k|v short conv with per-request state + silu → l2norm(q, k) → decay gate g and beta
@@ -41,6 +43,7 @@ from kda_impl.parallel.mesh import (
     single_device_mesh,
 )
 from kda_spec.config import KDAConfig
+from kda_spec.families import FUSED_CONV
 
 # The layout of each parameter on the mesh, by its path in the module. P = H * D is head-major, so a
 # contiguous split of a P axis over `tensor` is a split of whole heads: the columns of q/k/v and of the
@@ -53,6 +56,7 @@ PARAM_SPECS: dict[tuple[str, ...], PartitionSpec] = {
     ("q_conv1d",): PartitionSpec(None, TENSOR_AXIS),  # [W, P]
     ("k_conv1d",): PartitionSpec(None, TENSOR_AXIS),  # [W, P]
     ("v_conv1d",): PartitionSpec(None, TENSOR_AXIS),  # [W, P]
+    ("conv1d",): PartitionSpec(None, None, TENSOR_AXIS),  # [W, 3, P] a fused family's q | k | v taps
     ("f_a_proj", "kernel"): PartitionSpec(),  # [hidden, D]
     ("f_b_proj", "kernel"): PartitionSpec(None, TENSOR_AXIS),  # [D, P]
     ("A_log",): PartitionSpec(TENSOR_AXIS),  # [H]
@@ -100,7 +104,8 @@ class GatedRMSNorm(nnx.Module):
 
 class KimiDeltaAttention(nnx.Module):
     """One KDA layer. Parameters are JAX layout: a Linear's `kernel` is `[in, out]` (HF weight transposed),
-    the conv taps `q/k/v_conv1d` are `[W, P]`, `A_log` `[H]` and `dt_bias` `[H, D]` fp32.
+    the conv taps `q/k/v_conv1d` are `[W, P]` (a fused family's one `conv1d` `[W, 3, P]`), `A_log` `[H]`
+    and `dt_bias` `[H, D]` fp32.
 
     `mesh`: where the layer runs (axes `data`, `tensor`); its tensor axis must divide the head count.
     Parameters are created unplaced; `kda_impl.weights` loads them onto the mesh (`PARAM_SPECS`).
@@ -155,9 +160,12 @@ class KimiDeltaAttention(nnx.Module):
             linear(hidden, proj),
         )
         conv_init = nnx.initializers.lecun_normal(in_axis=0, out_axis=())
-        self.q_conv1d = nnx.Param(conv_init(rngs.params(), (width, proj), dtype))
-        self.k_conv1d = nnx.Param(conv_init(rngs.params(), (width, proj), dtype))
-        self.v_conv1d = nnx.Param(conv_init(rngs.params(), (width, proj), dtype))
+        if config.kda_family.conv == FUSED_CONV:
+            self.conv1d = nnx.Param(conv_init(rngs.params(), (width, 3, proj), dtype))
+        else:
+            self.q_conv1d = nnx.Param(conv_init(rngs.params(), (width, proj), dtype))
+            self.k_conv1d = nnx.Param(conv_init(rngs.params(), (width, proj), dtype))
+            self.v_conv1d = nnx.Param(conv_init(rngs.params(), (width, proj), dtype))
         self.f_a_proj, self.f_b_proj = linear(hidden, dim), linear(dim, proj)
         # fla's initialisation: A = U(1, 16); dt log-uniform in [1e-3, 1e-1], dt_bias its inverse softplus.
         self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (heads,), jnp.float32, 1.0, 16.0)))
@@ -223,7 +231,7 @@ class KimiDeltaAttention(nnx.Module):
         mixed_qkv = self._rounded(
             jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
         )  # [T, 3P]
-        conv_weight = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=-1)
+        conv_weight = self._conv_taps()  # [W, 3P]
         # fla's fused short conv with silu (the hub's): the conv summed in fp32 from the rounded projections,
         # silu in fp32, one rounding. fp32 conv inputs are the rounded values exactly, so is the new state.
         conv_out, new_conv_state = self.attn.short_conv(
@@ -265,15 +273,24 @@ class KimiDeltaAttention(nnx.Module):
         }
         return out, pool, intermediates
 
+    def _conv_taps(self) -> jax.Array:
+        """The q | k | v short conv's taps `[W, 3P]` (this rank's P): the three convs side by side, or
+        the fused family's one conv flattened."""
+        if self.config.kda_family.conv == FUSED_CONV:
+            taps = self.conv1d[...]  # [W, 3, P]
+            return taps.reshape(taps.shape[0], -1)
+        return jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=-1)
+
     def _decay(
         self,
         x: jax.Array,  # [T, hidden]
     ) -> jax.Array:
-        """Per-channel log decay `g = -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias)`: `[T, H, D]` fp32."""
+        """Per-channel log decay from `f = f_b(f_a(x)) + dt_bias`: `-exp(A_log[h]) * softplus(f)`, or the
+        lower-bound family's `L * sigmoid(exp(A_log[h]) * f)`: `[T, H, D]` fp32."""
         heads, dim = self.attn.num_heads, self.config.head_dim
         f = self._rounded(self.f_b_proj(self._rounded(self.f_a_proj(x)))).astype(jnp.float32)
         f = f.reshape(-1, heads, dim)
-        return kda_gate(f, self.A_log[...][:, None], self.dt_bias[...])
+        return kda_gate(f, self.A_log[...][:, None], self.dt_bias[...], self.config.gate_lower_bound)
 
     def _beta(self, x: jax.Array) -> jax.Array:
         """`beta = sigmoid(b_proj(x))`, the sigmoid in fp32 on the projection rounded to the run dtype (the

@@ -33,6 +33,17 @@ CONFIGS = {
     "mini": get_preset("mini"),
     # The real head shape (D = 128) with a few heads and an odd head count.
     "d128": KDAConfig(hidden_size=256, num_heads=3, head_dim=128, preset="d128", kda_layers=(1,)),
+    "glm5-next-mini": get_preset("glm5-next-mini"),
+    # The lower-bound family at another floor, the real head shape and an odd head count.
+    "glm-d128": KDAConfig(
+        hidden_size=256,
+        num_heads=3,
+        head_dim=128,
+        preset="glm-d128",
+        kda_layers=(1,),
+        family="glm5-next",
+        gate_lower_bound=-3.0,
+    ),
 }
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 
