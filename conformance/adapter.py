@@ -17,17 +17,25 @@ is called. `load_adapter_class` refuses a class that declares no protocol, one t
 protocol's method without declaring the protocol, and one that leaves a method of a protocol it
 declares undefined (`protocol_error`).
 
+An adapter also says which KDA families (kda_spec.families: `kimi-linear`, `glm5-next`) it serves, in
+`FAMILIES`; on a dump set of another family every check is skipped with that reason before it runs
+(`unserved_family`), never passed. Without a `FAMILIES` of its own an adapter serves `kimi-linear`,
+the one family there was before families.
+
 It is named on the command line as `--impl package.module:Class`. The suite builds it once per run
 dtype and reuses it for every check of that dtype:
 
     Class(config, weights, dtype, kernel, options=options)
 
 - `config`: the dump's `kda_spec.config.KDAConfig`: H = `num_heads`, D = `head_dim` (keys and values
-  both have D channels), P = H·D, W = `conv_size`.
-- `weights`: the layer's weights as float32 numpy arrays under their HF names and in torch's layout
-  (`q_proj.weight` [P, hidden], `q_conv1d.weight` [P, 1, W], `A_log` [1, 1, H, 1], `dt_bias` [P], ...;
-  kda_spec.weight_names lists them with their shapes). The adapter casts them for its run itself (a
-  bf16 serving stack keeps `A_log` and `dt_bias` fp32).
+  both have D channels), P = H·D, W = `conv_size`; `family` and, for a lower-bound gate,
+  `gate_lower_bound` L.
+- `weights`: the layer's weights as float32 numpy arrays under their family's HF names and in torch's
+  layout (Kimi-Linear: `q_proj.weight` [P, hidden], `q_conv1d.weight` [P, 1, W], `A_log` [1, 1, H, 1],
+  `dt_bias` [P], ...; GLM-5.3-Flash: one `conv1d.weight` [3P, 1, W], `forget_gate.A_log` [H], ...;
+  kda_spec.weight_names lists them with their shapes, `kda_spec.families.canonical_weights` maps any
+  family's to Kimi-Linear's names). The adapter casts them for its run itself (a bf16 serving stack keeps
+  `A_log` and `dt_bias` fp32, GLM's its conv too: `kda_spec.weight_names.fp32_weights`).
 - `dtype`: `"fp32"` or `"bf16"`, the precision to run the implementation in.
 - `kernel`: the `--kernel` value, `"auto"`, `"naive"` or `"pallas"`: which of the implementation's
   kernels to use — `naive` its plain (XLA / reference) kernels, `pallas` its Pallas ones, `auto` its own
@@ -75,6 +83,7 @@ import numpy as np
 from kda_spec.config import KDAConfig
 from kda_spec.dump_format import DTYPES
 from kda_spec.extras import missing_extra
+from kda_spec.families import FAMILIES, KIMI_LINEAR
 
 
 @dataclasses.dataclass
@@ -113,6 +122,8 @@ class KDAAdapter:
     name: str = "unnamed"
     #: The `--impl-option` keys this adapter takes, each with a one-line description.
     OPTIONS: ClassVar[Mapping[str, str]] = {}
+    #: The KDA families (`kda_spec.families` names) this adapter serves.
+    FAMILIES: ClassVar[frozenset[str]] = frozenset({KIMI_LINEAR.name})
 
     def __init__(
         self,
@@ -295,10 +306,23 @@ def unprovided(adapter_class: type[KDAAdapter], calls: Iterable[str]) -> str | N
     return f"adapter {adapter_class.name!r} implements {' and '.join(missing)}" if missing else None
 
 
+def unserved_family(adapter_class: type[KDAAdapter], config: KDAConfig) -> str | None:
+    """Why an adapter of this class runs no check of a dump set of `config`'s family; None when it
+    serves that family."""
+    if config.family in adapter_class.FAMILIES:
+        return None
+    return (
+        f"adapter {adapter_class.name!r} serves the {', '.join(sorted(adapter_class.FAMILIES))} family, not "
+        f"this dump set's {config.family!r} ({config.kda_family.description}); an adapter that serves it "
+        f"says so in FAMILIES"
+    )
+
+
 def protocol_error(adapter_class: type[KDAAdapter]) -> str | None:
     """What makes a subclass of `KDAAdapter` unusable as an adapter, in one line naming it: it declares
     no protocol; it defines a protocol's method without declaring that protocol (the suite would never
-    call it); or it leaves a method of a protocol it declares undefined. None when it is usable."""
+    call it); it leaves a method of a protocol it declares undefined; or its FAMILIES is not a non-empty
+    set of known families. None when it is usable."""
     name = adapter_class.__qualname__
     declared = [protocol for protocol in PROTOCOLS if issubclass(adapter_class, protocol)]
     for protocol in PROTOCOLS:
@@ -314,6 +338,9 @@ def protocol_error(adapter_class: type[KDAAdapter]) -> str | None:
     undefined = sorted(getattr(adapter_class, "__abstractmethods__", ()))
     if undefined:
         return f"class {name!r} does not define {', '.join(undefined)} of the protocols it declares"
+    families = adapter_class.FAMILIES
+    if not isinstance(families, (set, frozenset)) or not families or set(families) - set(FAMILIES):
+        return f"class {name!r} has FAMILIES={families!r}: expected a non-empty set of {sorted(FAMILIES)}"
     return None
 
 

@@ -38,6 +38,7 @@ from kda_impl.model_executor.forward_batch import (
 from kda_impl.models.kimi_linear import KimiDeltaAttention, jit_forward
 from kda_impl.parallel import make_mesh, mesh_sizes
 from kda_impl.weights import layer_from_hf_weights
+from kda_spec.families import FAMILIES
 
 RUN_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 
@@ -63,6 +64,7 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, ServingAdapter):
         "tp": "tensor-parallel size: heads over N devices (default 1)",
         "dp": "data-parallel size: sequences over M data ranks (default 1)",
     }
+    FAMILIES: ClassVar[frozenset[str]] = frozenset(FAMILIES)
     # The layer and backend classes it builds its serving path from (a broken or defective adapter swaps one).
     layer_class: type[KimiDeltaAttention] = KimiDeltaAttention
     backend_class: ClassVar[type[KDAAttnBackend]] = KDAAttnBackend

@@ -25,6 +25,7 @@ from conformance.reports.tables import (
     truth_error_text,
     verdict_text,
 )
+from kda_spec.families import KIMI_LINEAR
 
 #: The terminal lists at most this many failing checks (or groups of checks with one message).
 _BAD_LINES_SHOWN = 30
@@ -137,9 +138,10 @@ def reference_precision_warning(report: dict[str, Any]) -> str | None:
 
 
 def dumps_line(report: dict[str, Any]) -> str:
-    """Which dump set ran: `dumps: golden (bundled, manifest sha256 …)`, or its URL and digest."""
+    """Which dump set ran and its KDA family: `dumps: golden (bundled, manifest sha256 …), family
+    kimi-linear`, or its URL and digest."""
     dumps = report["dumps"]
-    return f"dumps: {dumps.get('label') or dumps['url']}"
+    return f"dumps: {dumps.get('label') or dumps['url']}, family {dumps.get('family', KIMI_LINEAR.name)}"
 
 
 def terminal_lines(report: dict[str, Any]) -> list[str]:

@@ -12,12 +12,10 @@ import shlex
 from collections.abc import Mapping
 from pathlib import Path
 
-import numpy as np
 from rich.console import Console
 
 from conformance.adapter import KDAAdapter
 from conformance.adapters.guard import CallWatchdog
-from conformance.dumps.reader import DumpSet
 from conformance.exit_codes import ExitCode
 from conformance.policy import TolerancePolicy
 from conformance.reports.json_file import write_json
@@ -27,10 +25,7 @@ from conformance.search.explore import SHRINK_BUDGET_S, Finding, explore
 from conformance.search.judge import Judge
 from conformance.search.report import REPORT_FILE, SearchProgress, Tally, check_table, regime_table
 from conformance.search.space import MAX_SEQS, MAX_TOKENS, case_strategy
-from kda_spec.config import KDAConfig, get_preset
-from kda_spec.synthetic_weights import stress_weights, synthetic_weights
-
-STRESS = "stress"
+from conformance.search.weight_sets import weight_sets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,24 +52,6 @@ class SearchOptions:
     watchdog: CallWatchdog | None = None
 
 
-def weight_sets(
-    dumps: str | None, preset: str, seed: int
-) -> tuple[KDAConfig, dict[str, dict[str, np.ndarray]], dict[str, str]]:
-    """The config, the weight sets by name and each one's source: the dump's weights (`dump`) or the
-    preset's synthetic ones drawn from `seed` (`synthetic`), and `stress`: those with the gate
-    parameters (`A_log`, `dt_bias`) of `kda_spec.synthetic_weights.stress_weights`, strong decays no
-    initialised layer has."""
-    if dumps is not None:
-        dump_set = DumpSet(dumps)
-        config, base, name, source = dump_set.config, dump_set.weights(), "dump", f"dump:{dumps}"
-    else:
-        config = get_preset(preset)
-        base, name, source = synthetic_weights(config, seed), "synthetic", f"synthetic:{preset}@{seed}"
-    stress = stress_weights(config, seed)
-    stressed = {**base, **{key: stress[key] for key in config.kda_family.decay_parameters}}
-    return config, {name: base, STRESS: stressed}, {name: source, STRESS: f"{source}+stress-gate@{seed}"}
-
-
 def replay_command(options: SearchOptions, dumps: str, dtypes: str, *more: str) -> str:
     """The `conformance run` of the implementation under test on `dumps` in `dtypes`, then `more`."""
     words = ["python", "-m", "conformance", "run", "--dumps", dumps, "--impl", options.impl]
@@ -88,13 +65,12 @@ def run_search(options: SearchOptions, console: Console | None = None) -> int:
     """The whole command; the exit status (module docstring)."""
     console = console or Console(width=None if Console().is_terminal else 200)
     options.out.mkdir(parents=True, exist_ok=True)
-    config, weights, sources = weight_sets(options.dumps, options.preset, options.seed)
+    sets = weight_sets(options.dumps, options.preset, options.seed, options.adapter_class.FAMILIES)
     judge = Judge(
-        options.adapter_class, options.kernel, options.options, options.policy, config, weights, sources,
-        options.watchdog,
-    )  # fmt: skip
+        options.adapter_class, options.kernel, options.options, options.policy, sets, options.watchdog
+    )
     strategy = case_strategy(
-        options.dtypes, list(weights), max_tokens=options.max_tokens, max_seqs=options.max_seqs
+        options.dtypes, list(sets), max_tokens=options.max_tokens, max_seqs=options.max_seqs
     )
     tally = Tally()
     with SearchProgress(options.budget_s, console, enabled=options.progress) as progress:
@@ -120,8 +96,8 @@ def run_search(options: SearchOptions, console: Console | None = None) -> int:
         "impl": options.impl,
         "kernel": options.kernel,
         "options": dict(options.options),
-        "weights": sources,
-        "config": config.to_manifest(),
+        "weights": {name: weight_set.source for name, weight_set in sets.items()},
+        "configs": {name: weight_set.config.to_manifest() for name, weight_set in sets.items()},
         "dtypes": list(options.dtypes),
         "seed": options.seed,
         "budget_s": options.budget_s,

@@ -55,6 +55,7 @@ from conformance.judging.verdict import decide
 from conformance.policy import TolerancePolicy
 from conformance.search.dumpcase import CASE_ID, plain_pipeline, write_case_set
 from conformance.search.space import SearchCase
+from conformance.search.weight_sets import WeightSet
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig
 
@@ -107,12 +108,14 @@ class CheckJudgement:
 
 @dataclasses.dataclass(frozen=True)
 class CaseVerdict:
-    """Every judged check of one case, the checks skipped (name → why) and the seconds it took."""
+    """Every judged check of one case, the checks skipped (name → why), the seconds it took, and the
+    layer config (family included) it ran on."""
 
     case: SearchCase
     checks: dict[str, CheckJudgement]
     skipped: dict[str, str]
     seconds: float
+    config: KDAConfig
 
     @property
     def flagged(self) -> list[CheckJudgement]:
@@ -142,16 +145,14 @@ def judgement(
 @dataclasses.dataclass
 class Judge:
     """Judges cases on one implementation: `adapter_class` with `kernel` and `options`, one adapter per
-    (weight set, dtype), each built from its weight set (`weight_sets`: name → float32 weights by HF
-    name) the first time a case needs it."""
+    (weight set, dtype), each built from its weight set (`weight_sets`: name → `WeightSet`, the weights
+    and the config, so the family, they are for) the first time a case needs it."""
 
     adapter_class: type[KDAAdapter]
     kernel: str
     options: Mapping[str, str]
     policy: TolerancePolicy
-    config: KDAConfig
-    weight_sets: Mapping[str, Mapping[str, np.ndarray]]
-    weight_sources: Mapping[str, str]
+    weight_sets: Mapping[str, WeightSet]
     watchdog: CallWatchdog | None = None
     _adapters: dict[tuple[str, str], KDAAdapter] = dataclasses.field(default_factory=dict, init=False)
     _ids: Iterator[int] = dataclasses.field(default_factory=itertools.count, init=False)
@@ -160,8 +161,8 @@ class Judge:
         self, case: SearchCase, url: str, search: Mapping[str, object], overwrite: bool = False
     ) -> None:
         """The case as a one-case dump set at `url` (`dumpcase.write_case_set`)."""
-        weights, source = self.weight_sets[case.weights], self.weight_sources[case.weights]
-        write_case_set(url, case, weights, self.config, source, search, overwrite)
+        weight_set = self.weight_sets[case.weights]
+        write_case_set(url, case, weight_set.weights, weight_set.config, weight_set.source, search, overwrite)
 
     def runner(self, url: str, case: SearchCase) -> CheckRunner:
         """A `CheckRunner` on the set at `url`, with the implementation's adapter for the case's weight set
@@ -182,8 +183,10 @@ class Judge:
         x = data.hidden_states
         up = np.random.default_rng([case.seed, PERTURBATION_STREAM]).random(x.shape) < 0.5
         moved = np.nextafter(x, np.where(up, np.float32(np.inf), np.float32(-np.inf)))
-        weights = self.weight_sets[case.weights]
-        return plain_pipeline(moved, data.cu_seqlens, data.initial_state, weights, self.config, case.dtype)
+        weight_set = self.weight_sets[case.weights]
+        return plain_pipeline(
+            moved, data.cu_seqlens, data.initial_state, weight_set.weights, weight_set.config, case.dtype
+        )
 
     def judge(self, case: SearchCase) -> CaseVerdict:
         """Every check of `CHECKS` on `case` (module docstring)."""
@@ -215,4 +218,5 @@ class Judge:
                 checks[check] = judgement(check, sides.actual, bases, truth, self.policy, case.dtype, limits)
         finally:
             fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
-        return CaseVerdict(case, checks, skipped, time.perf_counter() - started)
+        config = self.weight_sets[case.weights].config
+        return CaseVerdict(case, checks, skipped, time.perf_counter() - started, config)

@@ -40,7 +40,7 @@ class Tally:
         self.cases += 1
         self.case_seconds += verdict.seconds
         self.flagged_cases += bool(verdict.flagged)
-        self.per_regime.update(regimes(verdict.case))
+        self.per_regime.update(regimes(verdict.case, verdict.config))
         for check, judgement in verdict.checks.items():
             self.judged[check] += 1
             if not judgement.ratio <= self.worst[check][0]:  # NaN and inf count as the worst

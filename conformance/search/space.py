@@ -13,7 +13,8 @@ of the weights (`case_inputs`). What the fields span, and why (docs/search.md, "
   matter (1e-4) to large activations (100);
 - `gate`, `beta`: the hidden states moved (least squares, per token) so that the gate's pre-activation
   `f` or beta's logit reach a regime: strong decay, almost none, beta near 0 or near 1;
-- `weights`: which weight set (`command.weight_sets`: the dump's or preset's, and a stress set);
+- `weights`: which weight set (`weight_sets.weight_sets`: the dump's or the preset's, in every KDA
+  family the implementation serves, each with a stress set), so also the family;
 - `dtype`: the run, fp32 or bf16; `seed`: the random draws of the arrays.
 """
 
@@ -27,6 +28,7 @@ from hypothesis import strategies as st
 
 from conformance.checks.sequences import chunked_prefill_pieces
 from kda_spec.config import KDAConfig
+from kda_spec.families import canonical_weights
 
 # Sequence lengths cluster around multiples of this: kda_impl's chunk (32) and fla's (64) both divide it
 # or are multiples of it.
@@ -37,7 +39,8 @@ MAX_SEQS = 6  # with the padding sequence, one request bucket of 8 (kda_impl.mod
 SCALE_EXPONENTS = (-4, 2)  # hidden states from 1e-4 to 1e2
 INITIAL_STATE_SCALES = {"zero": 0.0, "small": 0.1, "large": 10.0}
 # The regimes' targets, per token: the gate's pre-activation `f + dt_bias` (softplus of 8 is 8: a decay
-# of exp(-8 · exp(A_log)) per token; of -12, 6e-6: almost none) and beta's logit (sigmoid of ±10:
+# of exp(-8 · exp(A_log)) per token; of -12, 6e-6: almost none; a lower-bound gate L·sigmoid(rate·8) is
+# L to 3e-4, the gate at its floor, and L·sigmoid(-12·rate) about 0) and beta's logit (sigmoid of ±10:
 # 4.5e-5 from 0 or 1).
 GATE_TARGETS = {"natural": None, "strong": 8.0, "weak": -12.0}
 BETA_TARGETS = {"natural": None, "near0": -10.0, "near1": 10.0}
@@ -128,9 +131,20 @@ def case_strategy(
     )
 
 
-def regimes(case: SearchCase) -> list[str]:
-    """The regime labels a case counts under in the report (one case has several)."""
-    labels = [case.dtype, f"weights:{case.weights}", "packed" if len(case.seq_lens) > 1 else "single"]
+# A lower-bound kernel's tile (sgl-jax's and fla's chunk): a packed boundary inside one is the regime of
+# sgl-jax PR #1587, a bounded gate's decay summed across the boundary before the mask.
+TILE = 64
+
+
+def regimes(case: SearchCase, config: KDAConfig) -> list[str]:
+    """The regime labels a case on a layer of `config` counts under in the report (one case has
+    several)."""
+    labels = [case.dtype, f"weights:{case.weights}", f"family:{config.family}"]
+    labels.append("packed" if len(case.seq_lens) > 1 else "single")
+    if any(end % TILE for end in np.cumsum(case.seq_lens)[:-1]):
+        labels.append("packed boundary inside a tile")
+    if config.kda_family.lower_bound_gate and case.gate == "strong":
+        labels.append("gate at its floor")
     offsets = {
         n % BOUNDARY if n % BOUNDARY <= BOUNDARY // 2 else n % BOUNDARY - BOUNDARY for n in case.seq_lens
     }
@@ -171,8 +185,9 @@ def steered(
     nearly as the projections' rank allows); `x` itself where both are None."""
     rows, targets = [], []
     if gate_target is not None:
-        rows.append(np.asarray(weights["f_b_proj.weight"], np.float64) @ weights["f_a_proj.weight"])
-        targets.append(gate_target - np.asarray(weights["dt_bias"], np.float64))
+        w = canonical_weights(config, weights)
+        rows.append(np.asarray(w["f_b_proj.weight"], np.float64) @ w["f_a_proj.weight"])
+        targets.append(gate_target - np.asarray(w["dt_bias"], np.float64))
     if beta_target is not None:
         rows.append(np.asarray(weights["b_proj.weight"], np.float64))
         targets.append(np.full(config.num_heads, beta_target))

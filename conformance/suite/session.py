@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from conformance.adapter import load_adapter_class, unprovided
+from conformance.adapter import load_adapter_class, unprovided, unserved_family
 from conformance.adapters.guard import CallWatchdog, FaultLog, ImplementationFault, one_line
 from conformance.checks.catalogue import CheckSkipped, CheckSpec, plan
 from conformance.checks.kinds import KINDS, SERVING_GROUP, CheckKind
@@ -40,8 +40,9 @@ class ConformanceSession:
 
     `specs` is the run's plan: every check of the options' selection, narrowed to those pytest selected
     (`-k`, `-m`, `--deselect`) once it has collected them (`select`); `planned` is how many. A planned
-    check whose kind needs a call of a protocol the adapter's class does not declare (`unprovided`, by
-    kind) is skipped with that reason when it runs, without a call; `plan_lines` says so before the
+    check whose kind needs a call of a protocol the adapter's class does not declare, or every check of
+    a dump set whose family it does not serve (`unprovided`, by kind), is skipped with that reason when
+    it runs, without a call; `plan_lines` says so before the
     first check. `stop` says how the run ended before running them all (an interrupt, a call timeout,
     an implementation that could not be built, `-x`), None while it has not. Every report says both.
     """
@@ -60,8 +61,11 @@ class ConformanceSession:
         self.dumps.weights()  # a broken weights file stops the run before any check
         scenarios = fixed_scenarios() if options.scenarios is None else load_scenarios(options.scenarios)
         self.serving = ServingChecks(self.runner, scenarios, scenario_set_name(options.scenarios))
+        unserved = unserved_family(adapter_class, self.dumps.config)
         self.unprovided: dict[CheckKind, str] = {
-            kind: reason for kind in KINDS if (reason := unprovided(adapter_class, kind.needs)) is not None
+            kind: reason
+            for kind in KINDS
+            if (reason := unserved or unprovided(adapter_class, kind.needs)) is not None
         }
         self.specs = plan(self.dumps, self.dumps.case_ids(options.cases), options.dtypes)
         if options.cases is None or options.scenarios is not None:  # --cases alone picks dump cases only
@@ -259,6 +263,7 @@ class ConformanceSession:
                 "bundled": is_bundled(self.options.dumps),
                 "manifest_sha256": self.dumps.manifest_sha256,
                 "manifest": self.dumps.manifest,
+                "family": self.dumps.config.family,
                 "reference_precision": self.dumps.reference_precision.as_dict(),
             },
             "implementation": {

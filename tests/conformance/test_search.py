@@ -20,12 +20,12 @@ from conformance.checks.serving_scenarios import Scenario, scenario_from_dict
 from conformance.dumps.reader import DumpSet
 from conformance.policy import TolerancePolicy
 from conformance.search import reproducer
-from conformance.search.command import weight_sets
 from conformance.search.dumpcase import CASE_ID
 from conformance.search.explore import explore
 from conformance.search.judge import HEADROOM, CaseVerdict, CheckJudgement, Judge
 from conformance.search.serving_space import schedule_strategy
 from conformance.search.space import SearchCase, case_inputs, case_strategy, steered
+from conformance.search.weight_sets import WeightSet, weight_sets
 from kda_spec.synthetic_weights import stress_weights, synthetic_weights
 from kda_spec.truth import sigmoid, softplus
 from tests.conformance import seeded_adapters
@@ -62,19 +62,16 @@ def test_steered_inputs_reach_their_regimes() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_judge_parts() -> tuple[TolerancePolicy, dict, dict]:
+def tiny_judge_parts() -> tuple[TolerancePolicy, dict]:
     weights = synthetic_weights(TINY, 0)
     stressed = {**weights, **{k: stress_weights(TINY, 0)[k] for k in ("A_log", "dt_bias")}}
-    return (
-        TolerancePolicy.load(),
-        {"synthetic": weights, "stress": stressed},
-        {"synthetic": "s", "stress": "t"},
-    )
+    sets = {"synthetic": WeightSet(TINY, weights, "s"), "stress": WeightSet(TINY, stressed, "t")}
+    return TolerancePolicy.load(), sets
 
 
 def _judge(adapter_class, parts) -> Judge:
-    policy, weights, sources = parts
-    return Judge(adapter_class, "auto", {}, policy, TINY, weights, sources)
+    policy, sets = parts
+    return Judge(adapter_class, "auto", {}, policy, sets)
 
 
 def test_the_case_set_is_a_verified_dump_set_holding_its_inputs(tmp_path, tiny_judge_parts) -> None:
@@ -86,7 +83,7 @@ def test_the_case_set_is_a_verified_dump_set_holding_its_inputs(tmp_path, tiny_j
         dumps.verify() == [] and "truth" in dumps.manifest and dumps.manifest["search"]["case"]["seed"] == 3
     )
     data = dumps.case(CASE_ID)
-    inputs = case_inputs(case, tiny_judge_parts[1]["stress"], TINY)
+    inputs = case_inputs(case, tiny_judge_parts[1]["stress"].weights, TINY)
     np.testing.assert_array_equal(data.hidden_states, inputs.hidden_states)
     np.testing.assert_array_equal(data.initial_state, inputs.initial_state)
     assert data.has_dtype("bf16") and not data.has_dtype("fp32")
@@ -137,7 +134,7 @@ def test_the_shrink_budget_lifts_hypothesis_own_cap_on_a_shrink() -> None:
     def judge(case: SearchCase) -> CaseVerdict:
         caps.append(engine.MAX_SHRINKING_SECONDS)
         ratio = 10.0 if case.tokens >= 10 else 0.0
-        return CaseVerdict(case, {"layer": CheckJudgement("layer", ratio, ratio, ratio, 1, 1)}, {}, 0.0)
+        return CaseVerdict(case, {"layer": CheckJudgement("layer", ratio, ratio, ratio, 1, 1)}, {}, 0.0, TINY)
 
     default = engine.MAX_SHRINKING_SECONDS
     cases = case_strategy(("fp32",), ("a",), max_tokens=100, max_seqs=3)
@@ -193,10 +190,21 @@ def test_bad_arguments_are_usage_errors(tmp_path, capsys) -> None:
 
 
 def test_weight_sets_of_a_preset_have_a_stress_set() -> None:
-    config, weights, sources = weight_sets(None, "mini", 0)
-    assert set(weights) == {"synthetic", "stress"} and config.hidden_size == 128
-    assert np.exp(weights["stress"]["A_log"]).max() == pytest.approx(16.0)
-    assert sources["stress"].startswith("synthetic:mini@0")
+    sets = weight_sets(None, "mini", 0)
+    assert set(sets) == {"synthetic", "stress"} and sets["stress"].config.hidden_size == 128
+    assert np.exp(sets["stress"].weights["A_log"]).max() == pytest.approx(16.0)
+    assert sets["stress"].source.startswith("synthetic:mini@0")
+
+
+def test_weight_sets_span_every_family_the_implementation_serves() -> None:
+    sets = weight_sets(None, "mini", 0, {"kimi-linear", "glm5-next"})
+    assert list(sets) == ["synthetic", "stress", "glm5-next/synthetic", "glm5-next/stress"]
+    glm = sets["glm5-next/stress"]
+    assert glm.config.family == "glm5-next" and glm.config.gate_lower_bound == -5.0
+    assert glm.config.hidden_size == 128 and "forget_gate.A_log" in glm.weights
+    # The stress twin holds the lower-bound gate at its floor in every 4th channel.
+    dt_bias = glm.weights["forget_gate.dt_bias"].reshape(2, 64)
+    assert dt_bias[:, ::4].min() >= 2.0
 
 
 def test_max_tokens_must_be_positive() -> None:
