@@ -2,10 +2,10 @@
 for: `WeightSet`, `weight_sets`.
 
 A dump set gives its own weights and config; a preset gives its synthetic weights, and those of the
-same shape in every other family the implementation serves (`family_variant`). Each has a stress
-twin: its decay gate's parameters (`A_log`, `dt_bias`) replaced by
-`kda_spec.synthetic_weights.stress_weights`', strong decays no initialised layer has (for a
-lower-bound family, the gate held at its floor L).
+same shape in every other family the implementation serves (`family_variants`), a lower-bound family
+at each bound of `LOWER_BOUNDS`. Each has a stress twin: its decay gate's parameters (`A_log`,
+`dt_bias`) replaced by `kda_spec.synthetic_weights.stress_weights`', strong decays no initialised
+layer has (for a lower-bound family, the gate held at its floor L).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from kda_spec.families import get_family
 from kda_spec.synthetic_weights import stress_weights, synthetic_weights
 
 STRESS = "stress"
-# The lower bound of a lower-bound family's variant of a preset: transformers' and fla's default.
-DEFAULT_LOWER_BOUND = -5.0
+# The bounds of a lower-bound family's variants of a preset: -5 is transformers', fla's and Kimi-K3's
+# default; -3 is any other, so that an implementation holding -5 fixed shows.
+LOWER_BOUNDS = (-5.0, -3.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,36 +35,43 @@ class WeightSet:
     source: str
 
 
-def family_variant(config: KDAConfig, family: str) -> KDAConfig:
-    """`config`'s shape in `family` (its own lower bound, or `DEFAULT_LOWER_BOUND`, for a lower-bound
-    gate), named `<preset>@<family>`; `config` itself in its own family."""
+def family_variants(config: KDAConfig, family: str) -> dict[str, KDAConfig]:
+    """`config`'s shape in `family`, by weight-set prefix: `config` itself (prefix "") in its own family,
+    `<family>/` for another softplus family, `<family>/` and `<family>@L<bound>/` for a lower-bound one
+    at each of `LOWER_BOUNDS` (the first without a suffix); each named `<preset>@<family>[@L<bound>]`."""
     if family == config.family:
-        return config
-    bound = None
-    if get_family(family).lower_bound_gate:
-        bound = DEFAULT_LOWER_BOUND if config.gate_lower_bound is None else config.gate_lower_bound
-    return config.replace(family=family, gate_lower_bound=bound, preset=f"{config.preset}@{family}")
+        return {"": config}
+    if not get_family(family).lower_bound_gate:
+        return {
+            f"{family}/": config.replace(
+                family=family, gate_lower_bound=None, preset=f"{config.preset}@{family}"
+            )
+        }
+    variants = {}
+    for index, bound in enumerate(LOWER_BOUNDS):
+        suffix = "" if index == 0 else f"@L{bound:g}"
+        preset = f"{config.preset}@{family}{suffix}"
+        variants[f"{family}{suffix}/"] = config.replace(family=family, gate_lower_bound=bound, preset=preset)
+    return variants
 
 
 def weight_sets(
     dumps: str | None, preset: str, seed: int, families: Iterable[str] | None = None
 ) -> dict[str, WeightSet]:
     """The weight sets by name (module docstring): `dump` and `stress` for a dump set; for a preset,
-    `synthetic` and `stress` in its own family, then `<family>/synthetic` and `<family>/stress` for each
-    other family of `families` (the implementation's; None: the preset's alone), weights drawn from
-    `seed`."""
+    `synthetic` and `stress` in its own family, then `<prefix>synthetic` and `<prefix>stress` for each
+    variant (`family_variants`) of each other family of `families` (the implementation's; None: the
+    preset's alone), weights drawn from `seed`."""
     if dumps is not None:
         dump_set = DumpSet(dumps)
         return _with_stress("dump", WeightSet(dump_set.config, dump_set.weights(), f"dump:{dumps}"), seed, "")
     config = get_preset(preset)
     sets: dict[str, WeightSet] = {}
     others = sorted(set(families or ()) - {config.family})
-    for family, prefix in [(config.family, ""), *((family, f"{family}/") for family in others)]:
-        variant = family_variant(config, family)
-        source = f"synthetic:{variant.preset}@{seed}"
-        sets |= _with_stress(
-            "synthetic", WeightSet(variant, synthetic_weights(variant, seed), source), seed, prefix
-        )
+    for family in [config.family, *others]:
+        for prefix, variant in family_variants(config, family).items():
+            base = WeightSet(variant, synthetic_weights(variant, seed), f"synthetic:{variant.preset}@{seed}")
+            sets |= _with_stress("synthetic", base, seed, prefix)
     return sets
 
 

@@ -198,7 +198,9 @@ def test_weight_sets_of_a_preset_have_a_stress_set() -> None:
 
 def test_weight_sets_span_every_family_the_implementation_serves() -> None:
     sets = weight_sets(None, "mini", 0, {"kimi-linear", "glm5-next"})
-    assert list(sets) == ["synthetic", "stress", "glm5-next/synthetic", "glm5-next/stress"]
+    glm_sets = [f"glm5-next{bound}/{kind}" for bound in ("", "@L-3") for kind in ("synthetic", "stress")]
+    assert list(sets) == ["synthetic", "stress", *glm_sets]
+    assert sets["glm5-next@L-3/synthetic"].config.gate_lower_bound == -3.0
     glm = sets["glm5-next/stress"]
     assert glm.config.family == "glm5-next" and glm.config.gate_lower_bound == -5.0
     assert glm.config.hidden_size == 128 and "forget_gate.A_log" in glm.weights
