@@ -1,4 +1,5 @@
-"""Watching a reference layer compute: its own kernel functions and its output norm, wrapped while it runs.
+"""Watching a reference layer compute: its own kernel functions, its output norm and its gate's input
+projection, wrapped or hooked while it runs.
 
 The intermediates of a dump are what the reference itself passed along, taken at the call boundaries of
 its own functions and submodules, never recomputed by a second implementation that could hide its
@@ -14,6 +15,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from kda_spec.families import KDAFamily
 
 # The canonical names of a KDA kernel's inputs, in call order.
 KERNEL_INPUTS = ("q", "k", "v", "g", "beta")
@@ -76,6 +79,33 @@ def recording_norm(module: torch.nn.Module, calls: list[NormCall]) -> Iterator[N
         calls.append(NormCall(gate, output))
 
     handle = module.register_forward_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+# The canonical name of the gate's second projection, whose output is the raw gate `g_raw` (before
+# dt_bias and the activation).
+GATE_INPUT_WEIGHT = "f_b_proj.weight"
+
+
+def gate_input_module(family: KDAFamily, module_name: Callable[[str], str] = str) -> str:
+    """The name, in a reference layer, of the module whose output is the raw gate: the module of the
+    family's checkpoint name of `f_b_proj.weight` (`forget_gate.f_b_proj` for GLM-5.3-Flash), mapped by
+    `module_name` (checkpoint name → the layer's parameter name) where the layer renames it."""
+    return module_name(family.checkpoint_name(GATE_INPUT_WEIGHT)).removesuffix(".weight")
+
+
+@contextlib.contextmanager
+def recording_output(layer: torch.nn.Module, name: str, outputs: list[torch.Tensor]) -> Iterator[None]:
+    """Appends the output of every call of `layer`'s submodule `name` inside the block to `outputs`, as
+    the module returned it (the raw gate: `[1, T, P]` in the run's dtype)."""
+
+    def hook(_module: torch.nn.Module, _args: tuple, output: torch.Tensor) -> None:
+        outputs.append(output)
+
+    handle = layer.get_submodule(name).register_forward_hook(hook)
     try:
         yield
     finally:

@@ -25,6 +25,7 @@ from kda_spec.dump_format import (
     KERNEL_KEYS,
     LONG_GROUP,
     LONG_RESULT_NAMES,
+    OPTIONAL_INTERMEDIATE_KEYS,
     OUTPUT_KEY,
     TRUTH_NAMES,
     CaseSpec,
@@ -46,7 +47,7 @@ from kda_spec.truth import (
 from kda_spec.truth import IMPLEMENTATION as TRUTH_IMPLEMENTATION
 
 RUN_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-RESULT_ORDER = (OUTPUT_KEY, *KERNEL_KEYS, *INTERMEDIATE_KEYS)
+RESULT_ORDER = (OUTPUT_KEY, *KERNEL_KEYS, *INTERMEDIATE_KEYS, *OPTIONAL_INTERMEDIATE_KEYS)
 # The truth of the output and the final states is stored for every case, that of the intermediates for
 # cases of at most `truth_intermediates_max_tokens` (kda_spec.truth.INTERMEDIATES_MAX_TOKENS).
 TRUTH_ALWAYS = (OUTPUT_KEY, "recurrent_state")

@@ -110,6 +110,12 @@ KERNEL_KEYS = (
     "recurrent_state_fused_recurrent",
 )
 INTERMEDIATE_KEYS = ("q_after_conv", "k_after_conv", "v_after_conv", "g", "beta", "g_out", "o_norm")
+# The gate's pre-activation input `f_b_proj(f_a_proj(x))` [T, H, D], before dt_bias and the activation:
+# the raw gate the kernels' raw-gate form (`use_gate_in_kernel`) takes. Written by dump_gen since
+# issue 42; a format-v1 set written before lacks it, and the checks that need it are then skipped.
+GATE_INPUT_KEY = "g_raw"
+# Intermediates a format-v1 set may lack (it was written before them).
+OPTIONAL_INTERMEDIATE_KEYS = (GATE_INPUT_KEY,)
 OPTIONAL_KEYS = ("final_conv_state",)
 # What a long case stores of each run: the output and the final states, not the [T, H, D] results.
 LONG_RESULT_NAMES = (OUTPUT_KEY, "recurrent_state_chunk", "recurrent_state_fused_recurrent")
@@ -134,7 +140,7 @@ def result_key(name: str, dtype: str) -> str:
 
 # The float64 truth ("oracle") of each run: the layer computed again in float64 from exactly the inputs
 # and weights that run saw (kda_spec.truth). `recurrent_state` is the layer's final state per sequence.
-TRUTH_NAMES = (OUTPUT_KEY, "recurrent_state", *INTERMEDIATE_KEYS)
+TRUTH_NAMES = (OUTPUT_KEY, "recurrent_state", *INTERMEDIATE_KEYS, *OPTIONAL_INTERMEDIATE_KEYS)
 TRUTH_DTYPE = "float64"
 
 
@@ -174,6 +180,7 @@ def expected_shape(name: str, *, tokens: int, num_seqs: int, config: dict) -> tu
         "k_after_conv": (tokens, heads, dim),
         "v_after_conv": (tokens, heads, dim),
         "g": (tokens, heads, dim),
+        GATE_INPUT_KEY: (tokens, heads, dim),
         "beta": (tokens, heads),
         "g_out": (tokens, heads, dim),
         "o_norm": (tokens, heads, dim),

@@ -98,6 +98,14 @@ def forget_gate(f: np.ndarray, a_log: np.ndarray, config: KDAConfig) -> np.ndarr
     return -rate * softplus(f)
 
 
+def raw_gate_decay(
+    g_raw: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray, config: KDAConfig
+) -> np.ndarray:
+    """The log decay `g` [T, H, D] from the raw gate `g_raw` [T, H, D] (`f_b_proj(f_a_proj(x))`, the
+    dump's `g_raw`), `A_log` (H values) and `dt_bias` (H·D values): `forget_gate(g_raw + dt_bias)`."""
+    return forget_gate(g_raw + dt_bias.reshape(config.num_heads, config.head_dim), a_log, config)
+
+
 def short_conv(u: np.ndarray, weight: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
     """silu of the causal depthwise conv of `u` [T, C] with `weight` [C, 1, W], each sequence from a zero
     conv state: `y[t] = sum_j weight[:, 0, j] * u[t - (W-1) + j]`."""
@@ -179,7 +187,8 @@ def layer_truth(
     operand: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """The layer on one packed batch, every step in `dtype`: `out` [T, hidden], `recurrent_state`
-    [N, H, D, D] and the dump's intermediates (`q_after_conv` ... `o_norm`), by their dump names.
+    [N, H, D, D] and the dump's intermediates (`q_after_conv` ... `o_norm`, and the raw gate `g_raw`),
+    by their dump names.
 
     `weights` by HF name of `config`'s family (kda_spec.weight_names), `hidden_states` [T, hidden],
     `cu_seqlens` [N+1],
@@ -322,8 +331,8 @@ def _layer(
         for n in "qkv"
     )
     x = x[skip:]
-    f = per_head(projected(projected(x, "f_a_proj"), "f_b_proj") + w["dt_bias"])
-    g = forget_gate(f, w["A_log"], config)
+    g_raw = per_head(projected(projected(x, "f_a_proj"), "f_b_proj"))
+    g = raw_gate_decay(g_raw, w["A_log"], w["dt_bias"], config)
     beta = sigmoid(projected(x, "b_proj"))
     g_out = per_head(projected(projected(x, "g_a_proj"), "g_b_proj"))
     o, states = recurrence(l2_normalised(q), l2_normalised(k), v, g, beta)
@@ -335,6 +344,7 @@ def _layer(
         "k_after_conv": k,
         "v_after_conv": v,
         "g": g,
+        "g_raw": g_raw,
         "beta": beta,
         "g_out": g_out,
         "o_norm": o_norm,

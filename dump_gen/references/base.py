@@ -10,6 +10,7 @@ import torch
 
 from dump_gen.capture import KERNEL_INPUTS, KernelCall, NormCall
 from dump_gen.inputs import CaseInputs
+from kda_spec.dump_format import GATE_INPUT_KEY
 from kda_spec.extras import installed_versions
 
 _VERSIONED = ("torch", "transformers", "fla-core", "flash-linear-attention", "triton", "numpy")
@@ -20,7 +21,7 @@ class LayerRun:
     """What a reference layer computed for one packed batch of T tokens."""
 
     out: torch.Tensor  # [T, hidden]
-    intermediates: dict[str, torch.Tensor]  # dump names: [T, H, D], beta [T, H]
+    intermediates: dict[str, torch.Tensor]  # dump names: [T, H, D] (g_raw in the run's dtype), beta [T, H]
     kernel_inputs: dict[str, torch.Tensor]  # q, k, v, g [1, T, H, D], beta [1, T, H], as passed to its kernel
     kernel_paths: list[str]  # the kernel the layer took for each sequence
 
@@ -73,13 +74,20 @@ def load_layer(
 
 
 def assemble_run(
-    out: torch.Tensor, calls: list[KernelCall], norms: list[NormCall], num_seqs: int
+    out: torch.Tensor,
+    calls: list[KernelCall],
+    norms: list[NormCall],
+    num_seqs: int,
+    *,
+    gate_inputs: list[torch.Tensor],
 ) -> LayerRun:
-    """A LayerRun from the layer's output [1, T, hidden] and its calls: one per sequence, or one in all."""
-    if len(calls) not in (1, num_seqs) or len(norms) != len(calls):
+    """A LayerRun from the layer's output [1, T, hidden] and its calls: one per sequence, or one in all;
+    `gate_inputs`: the output [1, T, P] of the gate's input projection at each of them
+    (`capture.recording_output` on `capture.gate_input_module`), the dump's `g_raw`."""
+    if len(calls) not in (1, num_seqs) or len(norms) != len(calls) or len(gate_inputs) != len(calls):
         raise RuntimeError(
-            f"the reference layer made {len(calls)} kernel and {len(norms)} norm calls "
-            f"for {num_seqs} sequences"
+            f"the reference layer made {len(calls)} kernel, {len(norms)} norm and {len(gate_inputs)} gate "
+            f"input calls for {num_seqs} sequences"
         )
     inputs = {name: torch.cat([call.inputs[name] for call in calls], dim=1) for name in KERNEL_INPUTS}
     paths = [call.path for call in calls] if len(calls) == num_seqs else [calls[0].path] * num_seqs
@@ -88,6 +96,7 @@ def assemble_run(
         "k_after_conv": inputs["k"][0],
         "v_after_conv": inputs["v"][0],
         "g": inputs["g"][0],
+        GATE_INPUT_KEY: torch.cat(gate_inputs, dim=1)[0].reshape(inputs["g"][0].shape),
         "beta": inputs["beta"][0],
         "g_out": torch.cat([norm.gate for norm in norms], dim=1)[0],
         "o_norm": torch.cat([norm.output for norm in norms], dim=1)[0],

@@ -27,7 +27,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from dump_gen.capture import KernelRecorder, NormCall, recording_norm, replaced
+from dump_gen.capture import (
+    KernelRecorder,
+    NormCall,
+    gate_input_module,
+    recording_norm,
+    recording_output,
+    replaced,
+)
 from dump_gen.errors import DumpError
 from dump_gen.inputs import CaseInputs
 from dump_gen.kernels import naive_chunk_kda_call
@@ -168,6 +175,7 @@ class HubRunner:
         reference, modeling = self.reference, self.reference.modeling
         recorder = KernelRecorder()
         norms: list[NormCall] = []
+        gate_inputs: list[torch.Tensor] = []
         cache = modeling.KimiDynamicCache(reference.hub_config)
         cache.recurrent_states[0] = initial_state
         kwargs = {}
@@ -182,6 +190,8 @@ class HubRunner:
                 recording = recorder.wrap(path, kernel, _KERNEL_ARGS)
                 stack.enter_context(replaced(modeling, _KERNEL_FUNCTIONS[path], recording))
             stack.enter_context(recording_norm(self.layer.o_norm, norms))
+            gate_input = gate_input_module(reference.config.kda_family)
+            stack.enter_context(recording_output(self.layer, gate_input, gate_inputs))
             try:
                 out = self.layer(hidden[None], cache_params=cache, **kwargs)
             except Exception as err:  # the hub's code and fla's kernels: any failure ends the dump
@@ -190,4 +200,4 @@ class HubRunner:
                     f"{hidden.shape[0]} tokens in {len(inputs.spans)} sequence(s): "
                     f"{type(err).__name__}: {one_line(err)}"
                 ) from None
-        return assemble_run(out, recorder.calls, norms, len(inputs.spans))
+        return assemble_run(out, recorder.calls, norms, len(inputs.spans), gate_inputs=gate_inputs)

@@ -20,7 +20,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from dump_gen.capture import KernelRecorder, NormCall, recording_norm, replaced
+from dump_gen.capture import (
+    KernelRecorder,
+    NormCall,
+    gate_input_module,
+    recording_norm,
+    recording_output,
+    replaced,
+)
 from dump_gen.inputs import CaseInputs
 from dump_gen.kernels import PATHS, KernelBackend, KernelCall, kernel_backend
 from dump_gen.references.base import LayerRun, assemble_run, device_description, load_layer, package_versions
@@ -96,7 +103,8 @@ class TransformersReference:
         check_layout(self.name, module_layout(layer, transformers_to_hf), self.config)
         kept = frozenset(HF_TO_TRANSFORMERS[name] for name in self.config.kda_family.fp32_weights)
         layer = load_layer(layer, hf_to_transformers(weights), dtype, self.device, kept)
-        return TransformersRunner(layer, self.hf_config, self.layer_kernels())
+        gate_input = gate_input_module(self.config.kda_family, HF_TO_TRANSFORMERS.__getitem__)
+        return TransformersRunner(layer, self.hf_config, self.layer_kernels(), gate_input)
 
 
 class FlaReference(TransformersReference):
@@ -141,10 +149,13 @@ def _layer_call(kernels: KernelBackend, path: str) -> Callable[..., Any]:
 
 
 class TransformersRunner:
-    def __init__(self, layer: torch.nn.Module, hf_config: Any, kernels: dict[str, Callable[..., Any]]):
+    def __init__(
+        self, layer: torch.nn.Module, hf_config: Any, kernels: dict[str, Callable[..., Any]], gate_input: str
+    ):
         self.layer = layer
         self.hf_config = hf_config
         self.kernels = kernels
+        self.gate_input = gate_input  # the submodule whose output is the raw gate
 
     def _cache(self, state: torch.Tensor) -> Any:
         """A cache from which the layer continues a sequence: recurrent `state` [1, H, D, D], conv zeros."""
@@ -162,6 +173,7 @@ class TransformersRunner:
     def run(self, hidden: torch.Tensor, inputs: CaseInputs, initial_state: torch.Tensor | None) -> LayerRun:
         recorder = KernelRecorder()
         norms: list[NormCall] = []
+        gate_inputs: list[torch.Tensor] = []
         modeling = _modeling()
         outputs = []
         with contextlib.ExitStack() as stack:
@@ -169,7 +181,10 @@ class TransformersRunner:
                 recording = recorder.wrap(path, function, _KERNEL_ARGS)
                 stack.enter_context(replaced(modeling, _KERNEL_FUNCTIONS[path], recording))
             stack.enter_context(recording_norm(self.layer.o_norm, norms))
+            stack.enter_context(recording_output(self.layer, self.gate_input, gate_inputs))
             for index, (start, end) in enumerate(inputs.spans):
                 cache = None if initial_state is None else self._cache(initial_state[index : index + 1])
                 outputs.append(self.layer(hidden[None, start:end], cache=cache))
-        return assemble_run(torch.cat(outputs, dim=1), recorder.calls, norms, len(inputs.spans))
+        return assemble_run(
+            torch.cat(outputs, dim=1), recorder.calls, norms, len(inputs.spans), gate_inputs=gate_inputs
+        )

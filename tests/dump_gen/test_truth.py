@@ -122,7 +122,8 @@ def layer_longdouble(
         return a / np.sqrt((a * a).sum(-1, keepdims=True) + ld(1e-6))
 
     q, k, v = (conv_silu(x @ w[f"{n}_proj.weight"].T, w[f"{n}_conv1d.weight"]) for n in "qkv")
-    f = ((x @ w["f_a_proj.weight"].T) @ w["f_b_proj.weight"].T + w["dt_bias"]).reshape(tokens, heads, dim)
+    g_raw = ((x @ w["f_a_proj.weight"].T) @ w["f_b_proj.weight"].T).reshape(tokens, heads, dim)
+    f = g_raw + w["dt_bias"].reshape(heads, dim)
     g = -np.exp(w["A_log"].reshape(heads, 1)) * np.where(f > 20, f, np.log1p(np.exp(f)))
     beta = 1 / (1 + np.exp(-(x @ w["b_proj.weight"].T)))
     g_out = ((x @ w["g_a_proj.weight"].T) @ w["g_b_proj.weight"].T).reshape(tokens, heads, dim)
@@ -144,6 +145,7 @@ def layer_longdouble(
         "k_after_conv": k,
         "v_after_conv": v,
         "g": g,
+        "g_raw": g_raw,
         "beta": beta,
         "g_out": g_out,
         "o_norm": o_norm,
