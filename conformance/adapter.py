@@ -1,11 +1,13 @@
 """The adapter: how the suite drives an implementation under test (docs/adapters.md has a skeleton).
 
-An adapter is a subclass of `KDAAdapter` that declares one or more of three protocols, as bases, and
+An adapter is a subclass of `KDAAdapter` that declares one or more of four protocols, as bases, and
 defines every method of each protocol it declares:
 
 - `LayerAdapter`: `layer_extend`, `layer_decode` — the checks `layer`, `layer-state`, the intermediates,
   `decode-*`, `chunked-prefill[-state]`, a long case's by-position checks;
-- `KernelAdapter`: `chunk_kernel`, `recurrent_kernel` — the `kernel-*` checks;
+- `KernelAdapter`: `chunk_kernel`, `recurrent_kernel` — the `kernel-*` checks on the dumped gate `g`;
+- `RawGateKernelAdapter` (optional): `chunk_kernel_raw_gate`, `recurrent_kernel_raw_gate` — the
+  `kernel-*-rawgate[-state]` checks: the kernels computing the gate from its pre-activation input;
 - `ServingAdapter`: `serving_open`, `serving_alloc`, `serving_free`, `serving_forward`, `serving_state`
   — the `serving-*` checks (those that compare a request with its run alone need the layer too).
 
@@ -74,6 +76,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import importlib
+import re
 import traceback
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
@@ -115,8 +118,8 @@ class LayerResult:
 
 class KDAAdapter:
     """The base of every adapter: its construction, options and report facts. Its calls are those of
-    the protocols it declares (`LayerAdapter`, `KernelAdapter`, `ServingAdapter`); the module docstring
-    is the contract."""
+    the protocols it declares (`LayerAdapter`, `KernelAdapter`, `RawGateKernelAdapter`,
+    `ServingAdapter`); the module docstring is the contract."""
 
     #: A short name for reports.
     name: str = "unnamed"
@@ -228,6 +231,54 @@ class KernelAdapter(KDAAdapter, abc.ABC):
         """The token-recurrent kernel, same arguments and results as `chunk_kernel`."""
 
 
+class RawGateKernelAdapter(KDAAdapter, abc.ABC):
+    """The raw-gate kernel protocol: both kernels computing the log decay themselves from the gate's
+    pre-activation input, the form fla's, sgl-jax's and tpu-inference's gated kernels take
+    (`use_gate_in_kernel=True, A_log=..., dt_bias=...`, with `safe_gate=True, lower_bound=L` for a
+    lower-bound family)."""
+
+    @abc.abstractmethod
+    def chunk_kernel_raw_gate(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        g_raw: np.ndarray,
+        beta: np.ndarray,
+        a_log: np.ndarray,
+        dt_bias: np.ndarray,
+        lower_bound: float | None,
+        cu_seqlens: np.ndarray,
+        initial_state: np.ndarray | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The chunked kernel on a packed batch, computing its gate in the kernel.
+
+        q, k, v, beta, cu_seqlens, initial_state as for `KernelAdapter.chunk_kernel`; g_raw [T, H, K]:
+        the gate's pre-activation input `f_b_proj(f_a_proj(x))`, before `dt_bias` (fp32 in the fp32 run,
+        bf16 values in the bf16 run); a_log [H] and dt_bias [H·K] fp32; lower_bound: the family's L
+        (`KDAConfig.gate_lower_bound`), None for Kimi-Linear's softplus gate. The log decay is
+        `g = -exp(a_log[h]) * softplus(g_raw + dt_bias)`, or `L * sigmoid(exp(a_log[h]) * (g_raw +
+        dt_bias))` with a lower bound L. Returns (o [T, H, V], final_state [N, H, K, V]) as
+        `chunk_kernel` does.
+        """
+
+    @abc.abstractmethod
+    def recurrent_kernel_raw_gate(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        g_raw: np.ndarray,
+        beta: np.ndarray,
+        a_log: np.ndarray,
+        dt_bias: np.ndarray,
+        lower_bound: float | None,
+        cu_seqlens: np.ndarray,
+        initial_state: np.ndarray | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The token-recurrent kernel, same arguments and results as `chunk_kernel_raw_gate`."""
+
+
 class ServingAdapter(KDAAdapter, abc.ABC):
     """The serving protocol (docs/serving.md): the implementation's own state pool, driven as a
     scheduler drives it."""
@@ -272,8 +323,13 @@ class ServingAdapter(KDAAdapter, abc.ABC):
         last W-1 inputs of the q | k | v short convs, in the run dtype's values)."""
 
 
-#: The protocols, in the order reasons name them; a protocol `FooAdapter` is named "foo".
-PROTOCOLS: tuple[type[KDAAdapter], ...] = (LayerAdapter, KernelAdapter, ServingAdapter)
+#: The protocols, in the order reasons name them; a protocol `FooBarAdapter` is named "foo-bar".
+PROTOCOLS: tuple[type[KDAAdapter], ...] = (LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingAdapter)
+
+
+def protocol_name(protocol: type[KDAAdapter]) -> str:
+    """How reasons name a protocol: `RawGateKernelAdapter` → "raw-gate-kernel"."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "-", protocol.__name__.removesuffix("Adapter")).lower()
 
 
 def protocol_calls(protocol: type[KDAAdapter]) -> tuple[str, ...]:
@@ -299,7 +355,7 @@ def unprovided(adapter_class: type[KDAAdapter], calls: Iterable[str]) -> str | N
     provides them all."""
     wanted = set(calls) - provided_calls(adapter_class)
     missing = [
-        f"no {protocol.__name__.removesuffix('Adapter').lower()} protocol ({__name__}.{protocol.__name__})"
+        f"no {protocol_name(protocol)} protocol ({__name__}.{protocol.__name__})"
         for protocol in PROTOCOLS
         if wanted & set(protocol_calls(protocol))
     ]

@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conformance.adapter import KernelAdapter, LayerAdapter, LayerResult, ServingAdapter
+from conformance.adapter import KernelAdapter, LayerAdapter, LayerResult, RawGateKernelAdapter, ServingAdapter
 from conformance.adapters.kda_impl_serving import KDAImplServing
 from kda_impl.kernels import chunk_kda, fused_recurrent_kda
+from kda_impl.kernels.common import kda_gate
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
 from kda_impl.model_executor.forward_batch import (
@@ -55,7 +56,7 @@ class KDACarry:
         return self.recurrent.shape[0]
 
 
-class KDAImplAdapter(LayerAdapter, KernelAdapter, ServingAdapter):
+class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingAdapter):
     """kda_impl under test; `kernel` is 'auto' (the dispatcher's choice), 'naive' or 'pallas'; the options
     `tp` and `dp` size the mesh."""
 
@@ -87,6 +88,7 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, ServingAdapter):
         self._recurrent = jax.jit(
             functools.partial(fused_recurrent_kda, output_final_state=True, kernel=self._kernel)
         )
+        self._raw_gate_kernels: dict[tuple[str, float | None], Callable[..., Any]] = {}
 
     def _new_layer(self, weights: Mapping[str, np.ndarray], source: str) -> KimiDeltaAttention:
         """The layer holding `weights` (named in errors as `source`), on this adapter's mesh, in its run
@@ -267,20 +269,55 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, ServingAdapter):
     def recurrent_kernel(self, q, k, v, g, beta, cu_seqlens, initial_state):
         return self._kernel_call(self._recurrent, q, k, v, g, beta, cu_seqlens, initial_state)
 
+    def chunk_kernel_raw_gate(
+        self, q, k, v, g_raw, beta, a_log, dt_bias, lower_bound, cu_seqlens, initial_state
+    ):
+        kernel = self._raw_gate_kernel("chunk", lower_bound)
+        gate = {"A_log": a_log, "dt_bias": dt_bias}
+        return self._kernel_call(kernel, q, k, v, g_raw, beta, cu_seqlens, initial_state, gate)
+
+    def recurrent_kernel_raw_gate(
+        self, q, k, v, g_raw, beta, a_log, dt_bias, lower_bound, cu_seqlens, initial_state
+    ):
+        kernel = self._raw_gate_kernel("fused_recurrent", lower_bound)
+        gate = {"A_log": a_log, "dt_bias": dt_bias}
+        return self._kernel_call(kernel, q, k, v, g_raw, beta, cu_seqlens, initial_state, gate)
+
+    def _raw_gate_kernel(self, path: str, lower_bound: float | None) -> Callable[..., Any]:
+        """The jitted `path` kernel taking the raw gate, `A_log` [H] and `dt_bias` [H·K] (fla's
+        `use_gate_in_kernel=True`), for the gate with lower bound `lower_bound` (None: softplus); built
+        once per (path, lower bound).
+
+        kda_impl's `chunk_kda` takes the in-kernel softplus gate; for the lower-bound gate and for
+        `fused_recurrent_kda` the gate is computed first, with the kernels' own `kda_gate`, and the
+        kernel fed the log decay."""
+        key = (path, lower_bound)
+        if key not in self._raw_gate_kernels:
+            if path == "chunk" and lower_bound is None:
+                kernel = functools.partial(chunk_kda, use_gate_in_kernel=True)
+            else:
+                kernel = _gate_first(chunk_kda if path == "chunk" else fused_recurrent_kda, lower_bound)
+            self._raw_gate_kernels[key] = jax.jit(
+                functools.partial(kernel, output_final_state=True, kernel=self._kernel)
+            )
+        return self._raw_gate_kernels[key]
+
     def _kernel_call(
         self,
         kernel: Callable[..., tuple[jax.Array, jax.Array]],
         q: np.ndarray,  # [T, H, D] l2-normalised
         k: np.ndarray,  # [T, H, D] l2-normalised
         v: np.ndarray,  # [T, H, D]
-        g: np.ndarray,  # [T, H, D] fp32
+        g: np.ndarray,  # [T, H, D] fp32: the log decay, or the raw gate with `gate`
         beta: np.ndarray,  # [T, H] fp32
         cu_seqlens: np.ndarray,  # i32[N+1]
         initial_state: np.ndarray | None,  # [N, H, D, D] fp32
+        gate: Mapping[str, np.ndarray] | None = None,  # the raw gate's A_log [H] and dt_bias [H·D], fp32
     ) -> tuple[np.ndarray, np.ndarray]:
         """As the layer feeds the kernel: q, k l2-normalised in fp32 (never re-rounded), v rounded to the
         run dtype and held in fp32 (the kernel upcasts it exactly, so one compiled kernel serves both runs),
-        g, beta and the states fp32; o rounded to the run dtype, as the reference kernel returns it."""
+        g, beta and the states fp32; o rounded to the run dtype, as the reference kernel returns it. With
+        `gate`, `g` is the raw gate and the kernel takes the gate's parameters as keywords."""
         seq_lens = seq_lens_from_cu_seqlens(cu_seqlens, q.shape[0])  # the jitted kernel cannot check values
         tokens, num_seqs = q.shape[0], seq_lens.size
         # Conversions in numpy (bf16 casts round to nearest even, as XLA's): on the device each one would
@@ -301,9 +338,24 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, ServingAdapter):
         )
         cu = np.full(padded_seqs + 1, padded_tokens, np.int32)
         cu[: num_seqs + 1] = cu_seqlens
-        o, final = kernel(q, k, v, g, beta, initial_state=_padded(init, padded_seqs), cu_seqlens=cu)
+        parameters = {name: np.asarray(value, np.float32) for name, value in (gate or {}).items()}
+        o, final = kernel(
+            q, k, v, g, beta, initial_state=_padded(init, padded_seqs), cu_seqlens=cu, **parameters
+        )
         o = np.asarray(o)[0, :tokens].astype(run_dtype)
         return _to_numpy(o), _to_numpy(np.asarray(final)[:num_seqs])
+
+
+def _gate_first(kernel: Callable[..., Any], lower_bound: float | None) -> Callable[..., Any]:
+    """`kernel` with fla's raw-gate arguments: the log decay computed from the raw gate `g_raw`
+    [B, T, H, K], `A_log` [H] and `dt_bias` [H·K] by `kda_gate` (with `lower_bound`) before the call."""
+
+    def call(q, k, v, g_raw, beta, *, A_log, dt_bias, **kwargs):
+        heads, dim = g_raw.shape[-2:]
+        g = kda_gate(g_raw, A_log[:, None], dt_bias.reshape(heads, dim), lower_bound)
+        return kernel(q, k, v, g, beta, **kwargs)
+
+    return call
 
 
 def token_bucket(tokens: int) -> int:

@@ -32,6 +32,8 @@ from conformance.checks.memo import Memo
 from conformance.checks.truth import KERNEL_INPUTS
 from conformance.dumps.reader import CaseData, DumpSet
 from kda_spec import dump_format as fmt
+from kda_spec.config import KDAConfig
+from kda_spec.families import canonical_weights
 from kda_spec.truth import L2NORM_EPS
 
 
@@ -39,6 +41,19 @@ def l2norm(x: np.ndarray) -> np.ndarray:
     """Per-head L2 normalisation in fp32, as the kernels expect q and k (kda-layer.md step 5)."""
     x = np.asarray(x, np.float32)
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + np.float32(L2NORM_EPS))
+
+
+def raw_gate_kernel_inputs() -> tuple[str, ...]:
+    """The dump names of the raw-gate kernel's per-token inputs: the kernel's, the raw gate for `g`."""
+    return tuple(fmt.GATE_INPUT_KEY if name == "g" else name for name in KERNEL_INPUTS)
+
+
+def gate_parameters(weights: Mapping[str, np.ndarray], config: KDAConfig) -> tuple[np.ndarray, np.ndarray]:
+    """`A_log` [H] and `dt_bias` [H·D], float32, from the dump's weights of any family (fla's layout
+    of a raw-gate kernel's arguments)."""
+    canonical = canonical_weights(config, weights)
+    a_log = np.asarray(canonical["A_log"], np.float32).reshape(config.num_heads)
+    return a_log, np.asarray(canonical["dt_bias"], np.float32).reshape(config.proj_dim)
 
 
 class ImplementationCalls:
@@ -150,6 +165,36 @@ class ImplementationCalls:
         method = "chunk_kernel" if path == "chunk" else "recurrent_kernel"
         arguments = {
             "q": l2norm(q), "k": l2norm(k), "v": v, "g": g, "beta": beta,
+            "cu_seqlens": case.cu_seqlens, "initial_state": case.initial_state,
+        }  # fmt: skip
+        shapes = self._shapes(len(q), len(case.cu_seqlens) - 1)
+        return self._call(dtype, method, arguments, checked_kernel_result, shapes)
+
+    def raw_gate_kernel_on_dump(self, case: CaseData, dtype: str, path: str) -> tuple[np.ndarray, np.ndarray]:
+        """The chunk or recurrent kernel's raw-gate form on the dumped q, k, v, raw gate and beta of this
+        run, with the dump's `A_log` and `dt_bias` and the family's lower bound."""
+        names = raw_gate_kernel_inputs()
+        missing = [fmt.result_key(name, dtype) for name in names if case.result(name, dtype) is None]
+        if missing:
+            raise CheckSkipped(
+                f"the dump has no {missing}: the raw-gate kernel inputs are not in it (a set written "
+                f"before dump_gen stored the raw gate {fmt.GATE_INPUT_KEY!r})"
+            )
+        stages = {name: case.result(name, dtype) for name in names}
+        return self._results.get(
+            ("raw-gate kernel", dtype, path), lambda: self.run_raw_gate_kernel(case, dtype, path, stages)
+        )
+
+    def run_raw_gate_kernel(
+        self, case: CaseData, dtype: str, path: str, stages: dict[str, np.ndarray]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The `path` kernel's raw-gate form on the conv outputs, raw gate and beta in `stages`."""
+        q, k, v, g_raw, beta = (np.asarray(stages[name]) for name in raw_gate_kernel_inputs())
+        a_log, dt_bias = gate_parameters(self.weights(), self.dumps.config)
+        method = "chunk_kernel_raw_gate" if path == "chunk" else "recurrent_kernel_raw_gate"
+        arguments = {
+            "q": l2norm(q), "k": l2norm(k), "v": v, "g_raw": g_raw, "beta": beta, "a_log": a_log,
+            "dt_bias": dt_bias, "lower_bound": self.dumps.config.gate_lower_bound,
             "cu_seqlens": case.cu_seqlens, "initial_state": case.initial_state,
         }  # fmt: skip
         shapes = self._shapes(len(q), len(case.cu_seqlens) - 1)

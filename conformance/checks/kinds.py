@@ -32,6 +32,8 @@ SERVING_CALLS = ("serving_open", "serving_alloc", "serving_free", "serving_forwa
 # The truth a kind is judged against (`CheckKind.truth`).
 LAYER_TRUTH = "layer"  # the float64 layer of the dump's inputs and weights (kda_spec.truth), at its rows
 KERNEL_TRUTH = "kernel"  # the float64 recurrence on the dumped kernel inputs
+# the float64 recurrence on the dumped kernel inputs, its log decay the float64 gate of the dumped raw gate
+RAW_GATE_KERNEL_TRUTH = "kernel-raw-gate"
 
 SERVING_GROUP = "serving"
 
@@ -46,8 +48,8 @@ class CheckKind:
     result:   the layer result it is judged as: `out`, `recurrent_state`, an intermediate's dump name
               (`{arg}`: the argument's), or for a kernel kind the kernel's `o` or `state`.
     axes:     the axes of its two sides (an intermediate: the first as many as the reference has).
-    truth:    `LAYER_TRUTH`, `KERNEL_TRUTH`, or None: judged by the absolute gate alone, `no_truth` says
-              why.
+    truth:    `LAYER_TRUTH`, `KERNEL_TRUTH`, `RAW_GATE_KERNEL_TRUTH`, or None: judged by the absolute
+              gate alone, `no_truth` says why.
     contract: whether the bf16 precision contract has a model of its result (no rounding point inside
               the kernels).
     kernel:   a kernel kind's path as in the dump's keys (`chunk`, `fused_recurrent`).
@@ -113,17 +115,19 @@ class Check:
         return int(self.arg[1:])
 
 
-def _kernel(path: str, label: str, which: str) -> CheckKind:
+def _kernel(path: str, label: str, which: str, raw_gate: bool = False) -> CheckKind:
     """A kernel's output (`which` "o") or final state ("state") on the dumped kernel inputs, against the
-    reference kernel's."""
+    reference kernel's; with `raw_gate`, its raw-gate form (`RawGateKernelAdapter`), fed the dumped raw
+    gate `g_raw` with `A_log`, `dt_bias` and L in place of `g`."""
     state = which == "state"
+    call = f"{'chunk' if path == 'chunk' else 'recurrent'}_kernel{'_raw_gate' if raw_gate else ''}"
     return CheckKind(
-        pattern=f"kernel-{label}{'-state' if state else ''}",
+        pattern=f"kernel-{label}{'-rawgate' if raw_gate else ''}{'-state' if state else ''}",
         group="kernel",
-        needs=(f"{'chunk' if path == 'chunk' else 'recurrent'}_kernel",),
+        needs=(call,),
         result=which,
         axes=STATE_AXES if state else HEAD_AXES,
-        truth=KERNEL_TRUTH,
+        truth=RAW_GATE_KERNEL_TRUTH if raw_gate else KERNEL_TRUTH,
         contract=False,
         kernel=path,
     )
@@ -139,6 +143,11 @@ KERNEL_CHUNK = _kernel("chunk", "chunk", "o")
 KERNEL_CHUNK_STATE = _kernel("chunk", "chunk", "state")
 KERNEL_RECURRENT = _kernel("fused_recurrent", "recurrent", "o")
 KERNEL_RECURRENT_STATE = _kernel("fused_recurrent", "recurrent", "state")
+# the same results of the kernels' raw-gate form, on the dumped raw gate;
+KERNEL_CHUNK_RAW_GATE = _kernel("chunk", "chunk", "o", raw_gate=True)
+KERNEL_CHUNK_RAW_GATE_STATE = _kernel("chunk", "chunk", "state", raw_gate=True)
+KERNEL_RECURRENT_RAW_GATE = _kernel("fused_recurrent", "recurrent", "o", raw_gate=True)
+KERNEL_RECURRENT_RAW_GATE_STATE = _kernel("fused_recurrent", "recurrent", "state", raw_gate=True)
 # the dump's intermediate of the argument's name;
 INTERMEDIATE = CheckKind("{arg}", "intermediate", LAYER_CALLS, "{arg}", HEAD_AXES)
 # the prefill of the rest, then one token a step: the dump's out at the decoded tokens, and (-self) the
@@ -178,6 +187,10 @@ KINDS = (
     KERNEL_CHUNK_STATE,
     KERNEL_RECURRENT,
     KERNEL_RECURRENT_STATE,
+    KERNEL_CHUNK_RAW_GATE,
+    KERNEL_CHUNK_RAW_GATE_STATE,
+    KERNEL_RECURRENT_RAW_GATE,
+    KERNEL_RECURRENT_RAW_GATE_STATE,
     INTERMEDIATE,
     DECODE,
     DECODE_SELF,
@@ -192,6 +205,10 @@ KINDS = (
     SERVING_IDENTICAL,
 )
 KERNEL_KINDS = (KERNEL_CHUNK, KERNEL_CHUNK_STATE, KERNEL_RECURRENT, KERNEL_RECURRENT_STATE)
+RAW_GATE_KERNEL_KINDS = (
+    KERNEL_CHUNK_RAW_GATE, KERNEL_CHUNK_RAW_GATE_STATE, KERNEL_RECURRENT_RAW_GATE,
+    KERNEL_RECURRENT_RAW_GATE_STATE,
+)  # fmt: skip
 BY_POSITION_KINDS = (BY_POSITION_LAYER, BY_POSITION_DECODE)
 SERVING_KINDS = tuple(kind for kind in KINDS if kind.group == SERVING_GROUP)
 # What the serving kinds add after a scenario's name (a scenario's name never ends in one).

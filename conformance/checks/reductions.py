@@ -11,7 +11,7 @@ hidden and P. A kernel check runs on the dump's own inputs, so its budget is the
 
 from __future__ import annotations
 
-from conformance.checks.kinds import KERNEL_TRUTH, CheckKind
+from conformance.checks.kinds import CheckKind
 from conformance.judging.reduction import Reduction
 from kda_spec.config import KDAConfig
 
@@ -24,7 +24,7 @@ def reduction_of(kind: CheckKind, config: KDAConfig) -> Reduction:
     """The widest fp32 reduction behind the result of a check of `kind` under `config` (module
     docstring): a kernel's own, else by the layer result the kind is judged as (`CheckKind.result`)."""
     hidden, proj, dim = config.hidden_size, config.proj_dim, config.head_dim
-    if kind.truth == KERNEL_TRUTH:
+    if kind.kernel is not None:
         if kind.kernel == "chunk":
             length = max(dim, REFERENCE_CHUNK_TOKENS)
             return Reduction(

@@ -12,7 +12,7 @@ import numpy as np
 from conformance.adapter import KDAAdapter
 from conformance.adapters.guard import CallWatchdog
 from conformance.checks import kinds
-from conformance.checks.calls import ImplementationCalls, l2norm
+from conformance.checks.calls import ImplementationCalls, gate_parameters, l2norm
 from conformance.checks.catalogue import CheckSkipped, CheckSpec
 from conformance.checks.kinds import CheckKind
 from conformance.checks.memo import Memo
@@ -42,9 +42,12 @@ from conformance.judging.reduction import reduction_limits
 from conformance.judging.verdict import CONTRACT_MODE
 from conformance.policy import TolerancePolicy
 from kda_spec import dump_format as fmt
-from kda_spec.truth import l2_normalised
+from kda_spec.truth import l2_normalised, raw_gate_decay
 
 KERNEL_TRUTH_SOURCE = "float64 recurrence on the dumped kernel inputs"
+RAW_GATE_KERNEL_TRUTH_SOURCE = (
+    "float64 recurrence on the dumped kernel inputs, g the float64 gate of the dumped g_raw, A_log, dt_bias"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,9 +288,11 @@ class CheckRunner:
         kind = spec.kind
         if kind.truth is None:
             raise NoTruth(kind.no_truth)
-        if kind.truth == kinds.KERNEL_TRUTH:
-            o, state = self.kernel_truth(case, spec.dtype)
-            value, source = (o if kind.result == "o" else state), KERNEL_TRUTH_SOURCE
+        if kind.truth in (kinds.KERNEL_TRUTH, kinds.RAW_GATE_KERNEL_TRUTH):
+            raw_gate = kind.truth == kinds.RAW_GATE_KERNEL_TRUTH
+            o, state = self.kernel_truth(case, spec.dtype, raw_gate)
+            value = o if kind.result == "o" else state
+            source = RAW_GATE_KERNEL_TRUTH_SOURCE if raw_gate else KERNEL_TRUTH_SOURCE
         else:
             value, source = self.layer_truth(case, spec.of.result, spec.dtype)
             value = sides.rows_of(value)
@@ -320,16 +325,27 @@ class CheckRunner:
         o, _ = recurrence_fp64(inputs, case.cu_seqlens, case.initial_state)
         return o, "float64 recurrence on the truth's q, k, v, g, beta"
 
-    def kernel_truth(self, case: CaseData, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    def kernel_truth(
+        self, case: CaseData, dtype: str, raw_gate: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The float64 recurrence on the dumped kernel inputs of the `dtype` run (q, k l2-normalised in
-        fp32 as the kernels get them): the truth of both kernel paths, (o, final states)."""
+        fp32 as the kernels get them): the truth of both kernel paths, (o, final states). With
+        `raw_gate`, the truth of their raw-gate form: its log decay the float64 gate of the dumped raw
+        gate, `A_log` and `dt_bias` (`kda_spec.truth.raw_gate_decay`), not the dumped `g`."""
 
         def compute() -> tuple[np.ndarray, np.ndarray]:
             q, k, v, g, beta = (self.expected(case, name, dtype) for name in KERNEL_INPUTS)
+            if raw_gate:
+                config = self.dumps.config
+                g_raw = np.asarray(self.expected(case, fmt.GATE_INPUT_KEY, dtype), np.float64)
+                a_log, dt_bias = (
+                    np.asarray(p, np.float64) for p in gate_parameters(self.dumps.weights(), config)
+                )
+                g = raw_gate_decay(g_raw, a_log, dt_bias, config)
             inputs = (l2norm(q), l2norm(k), v, g, beta)
             return recurrence_fp64(inputs, case.cu_seqlens, case.initial_state)
 
-        return self._derived.get(("kernel-truth", dtype), compute)
+        return self._derived.get(("kernel-truth", dtype, raw_gate), compute)
 
     def sides(self, case: CaseData, spec: CheckSpec) -> Sides:
         """The implementation's result and the reference of one check: its kind's function (`_SIDES`)."""
@@ -384,6 +400,15 @@ def _layer_state(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
 def _kernel(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
     kind, dtype = spec.kind, spec.dtype
     o, state = runner.calls.kernel_on_dump(case, dtype, kind.kernel)
+    if kind.result == "o":
+        return Sides(o, runner.expected(case, f"o_kda_{kind.kernel}", dtype), kind.axes)
+    return Sides(state, runner.expected(case, f"recurrent_state_{kind.kernel}", dtype), kind.axes)
+
+
+@_sides_of(*kinds.RAW_GATE_KERNEL_KINDS)
+def _raw_gate_kernel(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
+    kind, dtype = spec.kind, spec.dtype
+    o, state = runner.calls.raw_gate_kernel_on_dump(case, dtype, kind.kernel)
     if kind.result == "o":
         return Sides(o, runner.expected(case, f"o_kda_{kind.kernel}", dtype), kind.axes)
     return Sides(state, runner.expected(case, f"recurrent_state_{kind.kernel}", dtype), kind.axes)

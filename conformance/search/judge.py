@@ -67,7 +67,7 @@ CHECKS = tuple(
     for check in (
         Check(kinds.LAYER),
         Check(kinds.LAYER_STATE),
-        *(Check(kind) for kind in kinds.KERNEL_KINDS),
+        *(Check(kind) for kind in (*kinds.KERNEL_KINDS, *kinds.RAW_GATE_KERNEL_KINDS)),
         *(Check(kinds.INTERMEDIATE, name) for name in fmt.INTERMEDIATE_KEYS),
         Check(kinds.DECODE, "k1"),
         Check(kinds.DECODE, "k8"),
