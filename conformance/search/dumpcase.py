@@ -84,7 +84,7 @@ def case_arrays(
     for path in KERNEL_PATHS:
         arrays[fmt.result_key(f"o_kda_{path}", dtype)] = fmt.stored_result(o, f"o_kda_{path}", dtype)
         arrays[fmt.result_key(f"recurrent_state_{path}", dtype)] = state
-    for name in fmt.INTERMEDIATE_KEYS:
+    for name in (*fmt.INTERMEDIATE_KEYS, *fmt.OPTIONAL_INTERMEDIATE_KEYS):
         arrays[fmt.result_key(name, dtype)] = fmt.stored_result(reference[name], name, dtype)
     for name in fmt.TRUTH_NAMES:
         arrays[fmt.truth_key(name, dtype)] = np.asarray(truth[name], np.float64)

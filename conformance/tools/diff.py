@@ -1,7 +1,8 @@
 """Stage by stage through the layer for one case: where does the error first leave tolerance?
 
 conv (q/k/v_after_conv) → gate/beta (g, beta) → kernel (each kernel's output and final state on the
-dumped inputs, and the output on the layer's own) → norm (g_out, o_norm) → out → state (the layer's
+dumped inputs, the same of their raw-gate form on the dumped raw gate g_raw, and the output on the
+layer's own) → norm (g_out, o_norm) → out → state (the layer's
 final state) → chunked prefill (its output and the state it carries across calls). Each stage is
 compared with the dump under the gate's tolerance. A final state that leaves tolerance while the
 output it comes with holds is named first, as a state defect: a wrong state shows in the output only
@@ -48,6 +49,10 @@ STAGES = (
     ("kernel", "recurrent_state_chunk (dumped inputs)", "kernel-chunk-state"),
     ("kernel", "o_kda_fused_recurrent (dumped inputs)", "kernel-recurrent"),
     ("kernel", "recurrent_state_fused_recurrent (dumped inputs)", "kernel-recurrent-state"),
+    ("kernel", "o_kda_chunk_rawgate (dumped g_raw)", "kernel-chunk-rawgate"),
+    ("kernel", "recurrent_state_chunk_rawgate (dumped g_raw)", "kernel-chunk-rawgate-state"),
+    ("kernel", "o_kda_fused_recurrent_rawgate (dumped g_raw)", "kernel-recurrent-rawgate"),
+    ("kernel", "recurrent_state_fused_recurrent_rawgate (dumped g_raw)", "kernel-recurrent-rawgate-state"),
     ("kernel", LAYER_KERNEL_RERUN, None),
     *(("norm", name, name) for name in ("g_out", "o_norm")),
     ("out", "out", "layer"),
@@ -59,6 +64,11 @@ STAGES = (
 STATE_OF_OUTPUT = {
     "kernel-chunk-state": ("kernel-chunk", "the chunk kernel's final state"),
     "kernel-recurrent-state": ("kernel-recurrent", "the recurrent kernel's final state"),
+    "kernel-chunk-rawgate-state": ("kernel-chunk-rawgate", "the raw-gate chunk kernel's final state"),
+    "kernel-recurrent-rawgate-state": (
+        "kernel-recurrent-rawgate",
+        "the raw-gate recurrent kernel's final state",
+    ),
     "layer-state": ("layer", "the layer's final state"),
     "chunked-prefill-state": ("chunked-prefill", "chunked prefill's carried state"),
 }

@@ -37,6 +37,7 @@ from conformance.reports.check_record import summary
 REPO = Path(__file__).resolve().parents[2]
 ADAPTERS_DOC = REPO / "docs" / "adapters.md"
 KERNEL_CHECKS = [kind.name() for kind in kinds.KERNEL_KINDS]
+RAW_GATE_CALLS = ("chunk_kernel_raw_gate", "recurrent_kernel_raw_gate")
 
 
 def _skeleton_source() -> str:
@@ -126,10 +127,13 @@ def test_what_a_class_provides_is_the_calls_of_the_protocols_it_declares(
 ) -> None:
     assert provided_calls(skeleton_class) == {"chunk_kernel", "recurrent_kernel"}
     assert provided_calls(KDAImplAdapter) == {
-        *kinds.DECODE_CALLS, "chunk_kernel", "recurrent_kernel", *kinds.SERVING_CALLS
+        *kinds.DECODE_CALLS, "chunk_kernel", "recurrent_kernel", *RAW_GATE_CALLS, *kinds.SERVING_CALLS
     }  # fmt: skip
     assert provided_calls(NoProtocol) == frozenset()
     assert unprovided(skeleton_class, kinds.KERNEL_CHUNK.needs) is None
+    assert unprovided(skeleton_class, kinds.KERNEL_CHUNK_RAW_GATE.needs) == (
+        "adapter 'my-kda' implements no raw-gate-kernel protocol (conformance.adapter.RawGateKernelAdapter)"
+    )
     assert unprovided(skeleton_class, kinds.SERVING.needs) == (
         "adapter 'my-kda' implements no layer protocol (conformance.adapter.LayerAdapter) "
         "and no serving protocol (conformance.adapter.ServingAdapter)"
@@ -141,7 +145,7 @@ def test_what_a_class_provides_is_the_calls_of_the_protocols_it_declares(
 
 def test_the_kinds_need_the_calls_of_the_protocols() -> None:
     assert [protocol_calls(protocol) for protocol in PROTOCOLS] == [
-        kinds.DECODE_CALLS, ("chunk_kernel", "recurrent_kernel"), kinds.SERVING_CALLS
+        kinds.DECODE_CALLS, ("chunk_kernel", "recurrent_kernel"), RAW_GATE_CALLS, kinds.SERVING_CALLS
     ]  # fmt: skip
     every_call = {call for protocol in PROTOCOLS for call in protocol_calls(protocol)}
     assert {call for kind in kinds.KINDS for call in kind.needs} == every_call
@@ -154,7 +158,7 @@ def test_the_kinds_need_the_calls_of_the_protocols() -> None:
             "NoProtocol",
             "class 'NoProtocol' implements no adapter protocol: subclass one or more of "
             "conformance.adapter.LayerAdapter, conformance.adapter.KernelAdapter, "
-            "conformance.adapter.ServingAdapter",
+            "conformance.adapter.RawGateKernelAdapter, conformance.adapter.ServingAdapter",
         ),
         (
             "UndeclaredServing",

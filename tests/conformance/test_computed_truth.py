@@ -41,7 +41,8 @@ def test_the_computed_truth_is_bit_identical_to_the_stored_one(golden: DumpSet, 
     their sums) by CPU (on an AMD EPYC, golden's T65 differs from the stored truth by <= 3.6e-15)."""
     case = golden.case("T65")
     computed = computed_layer_truth(case, dtype, golden.weights(), golden.config)
-    for name in fmt.TRUTH_NAMES:
+    assert set(computed) >= set(fmt.TRUTH_NAMES)
+    for name in golden.manifest["truth"]["names"]:  # a set made before the raw gate has no g_raw
         stored = case.arrays[fmt.truth_key(name, dtype)]
         assert computed[name].dtype == np.float64
         np.testing.assert_allclose(
