@@ -223,7 +223,10 @@ def _report(root: Path, adapter=NumpyAdapter) -> dict:
     runner = _runner(root, adapter)
     records = []
     for spec in plan(runner.dumps, ["T65"], ["fp32", "bf16"]):
-        c = runner.run(spec).comparison
+        try:
+            c = runner.run(spec).comparison
+        except CheckSkipped:  # the raw-gate kernel checks: the synthetic sets have no g_raw
+            continue
         records.append(Record(spec, "passed" if c.passed else "failed", summary(c), 0.0, c))
     meta = {
         "implementation": {"impl": "numpy", "name": "numpy", "kernel": "auto", "kernel_used": {}},
@@ -260,8 +263,8 @@ def test_diff_shows_three_ways_and_where_the_implementation_leaves_the_reference
         "the implementation's own error first leaves the reference's at gate/beta (g): margin vs truth" in out
     )
     assert main(["diff", "--dumps", str(truth_dumps), "--case", "T65", "--impl", NUMPY]) == 0
-    assert "stays within the relative bound of the reference's at every stage with a truth (16 of 16)" in (
+    assert "stays within the relative bound of the reference's at every stage with a truth (16 of 20)" in (
         capsys.readouterr().out
     )
     assert main(["diff", "--dumps", str(plain_dumps), "--case", "T65", "--impl", NUMPY]) == 0
-    assert "at every stage with a truth (16 of 16)" in capsys.readouterr().out  # computed here
+    assert "at every stage with a truth (16 of 20)" in capsys.readouterr().out  # computed here

@@ -17,7 +17,12 @@ REPO = Path(__file__).resolve().parents[2]
 IMPL = "tests.conformance.kernel_only_adapter:KernelOnlyAdapter"
 NO_LAYER = "adapter 'numpy kernels only' implements no layer protocol (conformance.adapter.LayerAdapter)"
 NO_SERVING = "no serving protocol (conformance.adapter.ServingAdapter)"
+NO_RAW_GATE = (
+    "adapter 'numpy kernels only' implements no raw-gate-kernel protocol "
+    "(conformance.adapter.RawGateKernelAdapter)"
+)
 KERNEL_CHECKS = {kind.name() for kind in kinds.KERNEL_KINDS}
+RAW_GATE_CHECKS = {kind.name() for kind in kinds.RAW_GATE_KERNEL_KINDS}
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -51,6 +56,8 @@ def test_a_kernel_only_run_passes_its_kernels_and_skips_the_rest_with_the_reason
         kind = kinds.parse_check(name).kind
         if kind.group == kinds.SERVING_GROUP:
             assert NO_SERVING in check["message"], check
+        elif name in RAW_GATE_CHECKS:
+            assert check["message"] == NO_RAW_GATE, check
         else:
             assert check["message"] == NO_LAYER, check
 
@@ -62,8 +69,9 @@ def test_the_plan_summary_lists_the_skips_before_any_check_runs(
     lines = result.stdout.splitlines()
     planned, skipped = len(report["checks"]), report["summary"]["skipped"]
     header = lines.index(f"plan: {planned} checks, {skipped} skipped before they run:")
-    reasons = lines[header + 1 : header + 4]
+    reasons = lines[header + 1 : header + 5]
     assert any(line.endswith(f" skipped: {NO_LAYER}") for line in reasons), reasons
+    assert any(line.endswith(f"{len(RAW_GATE_CHECKS)} skipped: {NO_RAW_GATE}") for line in reasons), reasons
     assert any(NO_SERVING in line for line in reasons), reasons
     assert sum(int(line.split()[0]) for line in reasons if line.startswith("  ")) == skipped
     first_check = next(i for i, line in enumerate(lines) if "test_conformance.py" in line)
