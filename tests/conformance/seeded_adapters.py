@@ -151,15 +151,15 @@ class ConvOffByOneAfterSplit(KDAImplAdapter):
 
 
 class TransposedInitialState(KDAImplAdapter):
-    """Initial states applied transposed, in the layer and in both kernels."""
+    """Initial states applied transposed, in the layer and in both kernels (and their raw-gate form)."""
 
     name = "seeded: initial state transposed"
 
     def layer_extend(self, hidden_states, cu_seqlens, initial_state=None, carry=None) -> LayerResult:
         return super().layer_extend(hidden_states, cu_seqlens, _transposed(initial_state), carry)
 
-    def _kernel_call(self, kernel, q, k, v, g, beta, cu_seqlens, initial_state):
-        return super()._kernel_call(kernel, q, k, v, g, beta, cu_seqlens, _transposed(initial_state))
+    def _kernel_call(self, kernel, q, k, v, g, beta, cu_seqlens, initial_state, gate=None):
+        return super()._kernel_call(kernel, q, k, v, g, beta, cu_seqlens, _transposed(initial_state), gate)
 
 
 def _transposed(state: np.ndarray | None) -> np.ndarray | None:
