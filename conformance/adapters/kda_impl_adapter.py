@@ -289,8 +289,8 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingA
         once per (path, lower bound).
 
         kda_impl's `chunk_kda` takes the in-kernel softplus gate; for the lower-bound gate and for
-        `fused_recurrent_kda` the gate is computed first, with the kernels' own `kda_gate`, and the
-        kernel fed the log decay."""
+        `fused_recurrent_kda`, which do not take it in the kernel yet, the gate is computed first, with
+        the kernels' own `kda_gate`, and the kernel fed the log decay."""
         key = (path, lower_bound)
         if key not in self._raw_gate_kernels:
             if path == "chunk" and lower_bound is None:

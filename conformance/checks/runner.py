@@ -12,7 +12,7 @@ import numpy as np
 from conformance.adapter import KDAAdapter
 from conformance.adapters.guard import CallWatchdog
 from conformance.checks import kinds
-from conformance.checks.calls import ImplementationCalls, gate_parameters, l2norm
+from conformance.checks.calls import ImplementationCalls, gate_parameters, l2norm, raw_gate_kernel_inputs
 from conformance.checks.catalogue import CheckSkipped, CheckSpec
 from conformance.checks.kinds import CheckKind
 from conformance.checks.memo import Memo
@@ -334,14 +334,14 @@ class CheckRunner:
         gate, `A_log` and `dt_bias` (`kda_spec.truth.raw_gate_decay`), not the dumped `g`."""
 
         def compute() -> tuple[np.ndarray, np.ndarray]:
-            q, k, v, g, beta = (self.expected(case, name, dtype) for name in KERNEL_INPUTS)
-            if raw_gate:
+            names = raw_gate_kernel_inputs() if raw_gate else KERNEL_INPUTS
+            q, k, v, g, beta = (self.expected(case, name, dtype) for name in names)
+            if raw_gate:  # `g` is the raw gate
                 config = self.dumps.config
-                g_raw = np.asarray(self.expected(case, fmt.GATE_INPUT_KEY, dtype), np.float64)
                 a_log, dt_bias = (
                     np.asarray(p, np.float64) for p in gate_parameters(self.dumps.weights(), config)
                 )
-                g = raw_gate_decay(g_raw, a_log, dt_bias, config)
+                g = raw_gate_decay(np.asarray(g, np.float64), a_log, dt_bias, config)
             inputs = (l2norm(q), l2norm(k), v, g, beta)
             return recurrence_fp64(inputs, case.cu_seqlens, case.initial_state)
 
@@ -396,19 +396,13 @@ def _layer_state(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
     return runner.state_sides(case, spec, runner.calls.layer(case, spec.dtype).final_state)
 
 
-@_sides_of(*kinds.KERNEL_KINDS)
+@_sides_of(*kinds.KERNEL_KINDS, *kinds.RAW_GATE_KERNEL_KINDS)
 def _kernel(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
     kind, dtype = spec.kind, spec.dtype
-    o, state = runner.calls.kernel_on_dump(case, dtype, kind.kernel)
-    if kind.result == "o":
-        return Sides(o, runner.expected(case, f"o_kda_{kind.kernel}", dtype), kind.axes)
-    return Sides(state, runner.expected(case, f"recurrent_state_{kind.kernel}", dtype), kind.axes)
-
-
-@_sides_of(*kinds.RAW_GATE_KERNEL_KINDS)
-def _raw_gate_kernel(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
-    kind, dtype = spec.kind, spec.dtype
-    o, state = runner.calls.raw_gate_kernel_on_dump(case, dtype, kind.kernel)
+    if kind in kinds.RAW_GATE_KERNEL_KINDS:
+        o, state = runner.calls.raw_gate_kernel_on_dump(case, dtype, kind.kernel)
+    else:
+        o, state = runner.calls.kernel_on_dump(case, dtype, kind.kernel)
     if kind.result == "o":
         return Sides(o, runner.expected(case, f"o_kda_{kind.kernel}", dtype), kind.axes)
     return Sides(state, runner.expected(case, f"recurrent_state_{kind.kernel}", dtype), kind.axes)
