@@ -8,7 +8,12 @@ import fsspec
 import numpy as np
 import pytest
 
+from dump_gen.capture import gate_input_module
+from dump_gen.references.transformers_names import HF_TO_TRANSFORMERS
 from kda_spec import dump_format as fmt
+from kda_spec.config import KDAConfig
+from kda_spec.families import GLM5_NEXT, KIMI_LINEAR, canonical_weights
+from kda_spec.truth import raw_gate_decay
 from tests.dump_gen.conftest import CASES, dump
 from tests.dump_gen.validate import read_manifest, read_npz, split_key, validate_set
 
@@ -51,7 +56,16 @@ def test_cpu_references_agree(transformers_set: Path, fla_set: Path) -> None:
 
 def test_bf16_keys_hold_bf16_bits(transformers_set: Path) -> None:
     arrays = case_arrays(transformers_set, "T65")
-    for name in (fmt.OUTPUT_KEY, "o_kda_chunk", "o_kda_fused_recurrent", "q_after_conv", "g_out", "o_norm"):
+    names = (
+        fmt.OUTPUT_KEY,
+        "o_kda_chunk",
+        "o_kda_fused_recurrent",
+        "q_after_conv",
+        "g_raw",
+        "g_out",
+        "o_norm",
+    )
+    for name in names:
         bits = arrays[fmt.result_key(name, "bf16")]
         assert bits.dtype == np.uint16, name
         values, reference = fmt.bf16_bits_to_float32(bits), arrays[fmt.result_key(name, "fp32")]
@@ -59,6 +73,29 @@ def test_bf16_keys_hold_bf16_bits(transformers_set: Path) -> None:
         assert 0 < error < 3e-2, f"{name}: bf16 run vs fp32 run, normalised RMSE {error}"
     for name in fmt.FP32_IN_BF16_RUN:
         assert arrays[fmt.result_key(name, "bf16")].dtype == np.float32, name
+
+
+def test_g_raw_is_the_input_of_the_references_gate(transformers_set: Path) -> None:
+    """The dumped raw gate (the reference's `f_b_proj` output) is what its gate made the dumped g from:
+    the float64 gate of g_raw, A_log and dt_bias is g to fp32 rounding (of the largest |g|), in both
+    runs."""
+    manifest = read_manifest(str(transformers_set))
+    config = KDAConfig.from_manifest(manifest["config"])
+    stored = read_npz(str(transformers_set), manifest["weights"]["file"], manifest["weights"]["sha256"])
+    weights = {name: np.asarray(w, np.float64) for name, w in canonical_weights(config, stored).items()}
+    for case_id in CASES:
+        arrays = case_arrays(transformers_set, case_id)
+        for dtype in fmt.DTYPES:
+            g_raw = fmt.decode_array(arrays[fmt.result_key("g_raw", dtype)]).astype(np.float64)
+            g = arrays[fmt.result_key("g", dtype)]
+            gate = raw_gate_decay(g_raw, weights["A_log"], weights["dt_bias"], config)
+            # transformers' fp32 gate: log(1 + exp(f)) loses a small value's relative accuracy, not
+            # more than fp32 rounding of the largest
+            error = np.abs(gate - g).max() / np.abs(g).max()
+            assert error < 1e-6, (case_id, dtype, error)
+    assert gate_input_module(KIMI_LINEAR, HF_TO_TRANSFORMERS.__getitem__) == "forget_gate.f_b_proj"
+    assert gate_input_module(KIMI_LINEAR) == "f_b_proj"  # the hub file's
+    assert gate_input_module(GLM5_NEXT) == "forget_gate.f_b_proj"
 
 
 def test_deterministic(transformers_set: Path, tmp_path: Path) -> None:
