@@ -43,7 +43,7 @@ def test_verify_without_dumps_checks_the_bundled_set(capsys: pytest.CaptureFixtu
 def test_an_install_without_the_set_says_so_on_one_line(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    monkeypatch.setattr(bundled, "CANDIDATES", (tmp_path / "a", tmp_path / "b"))
+    monkeypatch.setattr(bundled, "candidates", lambda name: (tmp_path / "a", tmp_path / "b"))
     assert main(["verify"]) == 2
     assert capsys.readouterr().err == (
         f"error: the package carries no golden dump set (no {tmp_path / 'a' / 'manifest.json'} or "
