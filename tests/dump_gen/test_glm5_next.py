@@ -91,7 +91,7 @@ def test_the_stress_gate_sits_at_its_floor_for_whole_chunks(glm_set: Path) -> No
     lower = -3.0
     for key in ("g", "g_fp64"):
         g = arrays[key].astype(np.float64)
-        assert g.min() >= lower and g.max() < 0, key
+        assert g.min() >= lower and g.max() <= 0, key  # fp32 sigmoid reaches 1 (g = L) and 0
         chunk_sum = g[:CHUNK].sum(axis=0)  # [H, D]: the first chunk of the 70-token sequence
         stressed = chunk_sum[:, ::4]
         assert stressed.max() < 50 * lower, f"{key}: a stressed channel's chunk sum is {stressed.max()}"
