@@ -16,9 +16,10 @@ from dump_gen.cli import main
 from dump_gen.errors import DumpError
 from dump_gen.inputs import case_inputs
 from dump_gen.references import make_reference
+from kda_spec.checkpoint import LANGUAGE_MODEL_PREFIX
 from kda_spec.config import KDAConfig, get_preset
 from kda_spec.dump_format import CASES_BY_ID
-from kda_spec.families import GLM5_NEXT, KIMI_LINEAR
+from kda_spec.families import GLM5_NEXT, KIMI_LINEAR, canonical_weights
 from kda_spec.synthetic_weights import stress_weights, synthetic_weights
 from kda_spec.truth import layer_truth
 from kda_spec.weight_names import hf_weight_shapes, layer_prefix
@@ -137,3 +138,25 @@ def test_a_glm_named_shard_is_read_by_its_names(tmp_path: Path) -> None:
     save_file(kimi_tensors, str(kimi_dir / "model.safetensors"))
     with pytest.raises(DumpError, match=r"no key 'model\.layers\.0\.self_attn\.(forget_gate\.|conv1d)"):
         read_layer(str(kimi_dir), 0, CONFIG)
+
+
+def test_a_shard_as_transformers_converts_it_from_is_read_too(tmp_path: Path) -> None:
+    """GLM-5.3-Flash's layer as transformers 5.24.0 loads it (conversion_mapping "glm5_next"): the gate's
+    weights without `forget_gate.`, three convs, under `model.language_model.layers.{i}.self_attn.`; read
+    as the family's weights, the convs concatenated q | k | v. A conv of the wrong width is named."""
+    weights = synthetic_weights(CONFIG, seed=6)
+    canonical = canonical_weights(CONFIG, weights)
+    stored = {name: canonical[name] for name in canonical if name != "A_log"}
+    stored["A_log"] = weights["forget_gate.A_log"]  # [H], as the module holds it
+    prefix = LANGUAGE_MODEL_PREFIX.format(layer=0)
+    shard = str(tmp_path / "model.safetensors")
+    save_file({prefix + n: torch.from_numpy(a) for n, a in stored.items()}, shard)
+    read = read_layer(str(tmp_path), 0, CONFIG)
+    assert list(read) == list(hf_weight_shapes(CONFIG))
+    for name, array in weights.items():
+        np.testing.assert_array_equal(read[name], array, err_msg=name)
+
+    stored["k_conv1d.weight"] = stored["k_conv1d.weight"][:, :, :-1]
+    save_file({prefix + n: torch.from_numpy(a) for n, a in stored.items()}, shard)
+    with pytest.raises(DumpError, match=r"q_conv1d\.weight \| .*k_conv1d\.weight .* have different shapes"):
+        read_layer(str(tmp_path), 0, CONFIG)
