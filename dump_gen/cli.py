@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--weights",
         default="synthetic",
         help="synthetic weights: 'synthetic' (an initialised layer's scales) or 'stress' (decays up to "
-        "exp(A_log) = 16 and per-token g near -60: docs/dump-format.md)",
+        "exp(A_log) = 16 and per-token g near -60; a lower-bound family's gate at its floor L in every 4th "
+        "channel: docs/dump-format.md)",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument(
