@@ -1,5 +1,6 @@
 # Every target creates and reuses a local virtualenv (.venv) on first use.
-#   make conform   the conformance suite of kda_impl against golden/ (JAX only, no torch)
+#   make conform   the conformance suite of kda_impl against golden/ and golden-glm5-next/ (JAX only, no
+#                  torch); DUMPS= checks that one set instead
 #   make test      the project's own tests (installs the CPU torch references too), on PYTEST_WORKERS
 #                  processes (pytest-xdist; default: the CPU count, at most 4)
 # Each target installs the extras of this host's platform, PLATFORM=cpu|tpu|cuda, detected
@@ -36,7 +37,10 @@ PIP_INSTALL := $(PY) -m pip install -q -c constraints.txt
 # its own: in site-packages every JAX process of the tests would look for a TPU.
 LIBTPU_DIR := $(VENV)/libtpu
 
+# `make conform` checks both committed sets unless DUMPS= names one.
+DUMPS_GIVEN := $(filter-out undefined,$(origin DUMPS))
 DUMPS ?= golden
+GLM_GOLDEN := golden-glm5-next
 REPORT_DIR ?= reports
 KERNEL ?= auto
 OUT ?= dumps/$(PRESET)
@@ -49,7 +53,7 @@ DUMP_ARGS ?=
 GCS_FOR_DUMPS := $(if $(filter gs://%,$(DUMPS)),$(VENV)/.gcs)
 GCS_FOR_OUT := $(if $(filter gs://%,$(OUT)),$(VENV)/.gcs)
 
-.PHONY: conform test test-slow dump golden lint bench conform-full conform-sglang-jax clean-venv device-check
+.PHONY: conform test test-slow dump golden golden-glm5-next goldens lint bench conform-full conform-sglang-jax clean-venv device-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -79,8 +83,18 @@ $(LIBTPU_DIR)/.installed: constraints.txt | $(PY)
 	$(PIP_INSTALL) --no-deps --target $(LIBTPU_DIR) libtpu
 	touch $@
 
+# Both sets run, then the exit status is 1 if either failed; golden-glm5-next's reports go to
+# $(REPORT_DIR)/golden-glm5-next. Its run names its cases (GLM_CONFORM_ARGS), which leaves out the fixed
+# serving scenarios that a run of every case adds (they compile the glm5-next layer at the serving
+# shapes: about 45 s of CPU time from a cold cache, docs/cli.md "How long it takes");
+# `python -m conformance run --dumps golden-glm5-next` checks them too. GLM_CONFORM_ARGS= checks them here.
+GLM_CONFORM_ARGS ?= --cases $(GLM_GOLDEN_CASES)
 conform: $(VENV)/.core-$(PLATFORM) $(GCS_FOR_DUMPS)
-	$(PY) -m conformance run --dumps $(DUMPS) --kernel $(KERNEL) --report-dir $(REPORT_DIR)
+	status=0; \
+	$(PY) -m conformance run --dumps $(DUMPS) --kernel $(KERNEL) --report-dir $(REPORT_DIR) || status=1; \
+	$(if $(DUMPS_GIVEN),,$(PY) -m conformance run --dumps $(GLM_GOLDEN) $(GLM_CONFORM_ARGS) --kernel $(KERNEL) \
+		--report-dir $(REPORT_DIR)/$(GLM_GOLDEN) || status=1;) \
+	exit $$status
 
 test: $(VENV)/.full-$(PLATFORM) $(LIBTPU_DIR)/.installed
 	KDA_LIBTPU_PATH=$(abspath $(LIBTPU_DIR)) $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
@@ -97,6 +111,18 @@ golden: $(VENV)/.full-$(PLATFORM)
 	rm -rf golden.tmp && $(PY) -m dump_gen --out golden.tmp --preset mini --reference transformers --device cpu \
 		--truth-intermediates-max-tokens 65
 	cp golden/README.md golden.tmp/README.md && rm -rf golden && mv golden.tmp golden
+
+# golden-glm5-next/ (< 15 MiB, checked by `make conform` beside golden/): the glm5-next layer with the
+# stress weights (every 4th channel's gate at its floor L), two cases: a packed batch with initial states
+# and a one-token (decode) sequence, and a packed boundary inside the second 64-token chunk.
+GLM_GOLDEN_CASES := varlen_initstate varlen_70_3
+golden-glm5-next: $(VENV)/.full-$(PLATFORM)
+	rm -rf $(GLM_GOLDEN).tmp && $(PY) -m dump_gen --out $(GLM_GOLDEN).tmp --preset glm5-next-mini --weights stress \
+		--reference transformers --device cpu --cases $(GLM_GOLDEN_CASES)
+	cp $(GLM_GOLDEN)/README.md $(GLM_GOLDEN).tmp/README.md && rm -rf $(GLM_GOLDEN) && mv $(GLM_GOLDEN).tmp $(GLM_GOLDEN)
+
+# Both committed sets, one after the other.
+goldens: golden golden-glm5-next
 
 conform-full: $(VENV)/.full-$(PLATFORM)
 	$(PY) -m dump_gen --out dumps/kimi-linear-48b-a3b --overwrite --preset kimi-linear-48b-a3b --reference transformers --device cpu

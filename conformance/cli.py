@@ -58,7 +58,10 @@ def _usage_errors() -> Iterator[None]:
 
 def _add_dumps_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--dumps", metavar="DIR_OR_URL", help="the dump set (default: the golden set the package carries)"
+        "--dumps",
+        metavar="DIR_OR_URL",
+        help="the dump set (default: the golden set the package carries; golden-glm5-next: its "
+        "glm5-next set)",
     )
 
 

@@ -3,7 +3,7 @@
     python -m dump_gen --out DIR_OR_URL [--overwrite] [--preset NAME] [--reference transformers|fla|hf-hub]
         [--hub-snapshot DIR] [--checkpoint DIR --layer N] [--cases ID|long ...] [--seed N] [--device cpu|cuda]
         [--weights synthetic|stress] [--hidden-size N] [--num-heads N] [--head-dim N] [--conv-size N]
-        [--rms-norm-eps X] [--threads N] [--truth-intermediates-max-tokens N]
+        [--rms-norm-eps X] [--gate-lower-bound L] [--threads N] [--truth-intermediates-max-tokens N]
 
 Exit status: 0 the set was written; 2 a problem the user can fix, reported on one line (a bad flag,
 checkpoint or destination, a reference that produced NaN/Inf, the torch references' extra not
@@ -24,6 +24,7 @@ from dump_gen.references import REFERENCES
 from kda_spec.config import PRESETS, KDAConfig, get_preset
 from kda_spec.dump_format import CASE_GROUPS, CASES_BY_ID, select_cases
 from kda_spec.extras import missing_extra
+from kda_spec.families import KIMI_LINEAR
 from kda_spec.storage import StorageError
 from kda_spec.synthetic_weights import WEIGHTS_KINDS
 from kda_spec.truth import INTERMEDIATES_MAX_TOKENS
@@ -35,6 +36,7 @@ _OVERRIDES = (
     ("--head-dim", "head_dim", int),
     ("--conv-size", "conv_size", int),
     ("--rms-norm-eps", "rms_norm_eps", float),
+    ("--gate-lower-bound", "gate_lower_bound", float),  # a lower-bound family's L (< 0)
 )
 
 
@@ -93,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--weights",
         default="synthetic",
         help="synthetic weights: 'synthetic' (an initialised layer's scales) or 'stress' (decays up to "
-        "exp(A_log) = 16 and per-token g near -60: docs/dump-format.md)",
+        "exp(A_log) = 16 and per-token g near -60; a lower-bound family's gate at its floor L in every 4th "
+        "channel: docs/dump-format.md)",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument(
@@ -131,6 +134,11 @@ def parse_options(argv: list[str] | None) -> Options:
         raise DumpError(str(err)) from None
     if args.reference not in REFERENCES:
         raise DumpError(f"unknown reference {args.reference!r}; known references: {list(REFERENCES)}")
+    if args.reference == "hf-hub" and config.family != KIMI_LINEAR.name:
+        raise DumpError(
+            f"--reference hf-hub runs the hub's Kimi-Linear modeling file; preset {args.preset!r} is of the "
+            f"{config.family} family (use --reference transformers or fla)"
+        )
     if (args.reference == "hf-hub") != (args.hub_snapshot is not None):
         raise DumpError(
             "--reference hf-hub and --hub-snapshot DIR (a download of the model's hub repository) go together"

@@ -208,7 +208,7 @@ def generate(
         check_finite(array, f"weight {name!r} ({weights_source})")
     dump_set = DumpSetWriter(writer)
     dump_set.write_weights(weights, weights_source)
-    kernels = kernel_backend(device)
+    kernels = kernel_backend(device, config)
     runners = {dtype: reference.build(weights, torch_dtype) for dtype, torch_dtype in RUN_DTYPES.items()}
     truth_weights = {dtype: run_weights(weights, dtype, config) for dtype in RUN_DTYPES}
     stored_truth: set[str] = set()

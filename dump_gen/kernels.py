@@ -18,6 +18,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kda_spec.config import KDAConfig
+
 PATHS = ("chunk", "fused_recurrent")
 CHUNK_SIZE = 64
 L2NORM_EPS = 1e-6
@@ -113,9 +115,15 @@ def naive_chunk_kda_call(
 
 
 class TritonKernels:
-    """fla's Triton kernels, the packed batch in one call (GPU)."""
+    """fla's Triton kernels, the packed batch in one call (GPU). For a lower-bound family's gates
+    (`lower_bound` set: every g in [lower_bound, 0)) the chunk kernel runs as such a layer calls it,
+    `safe_gate=True, lower_bound=...` on the precomputed g."""
 
-    name = "fla.ops.kda (chunk_kda, fused_recurrent_kda)"
+    def __init__(self, lower_bound: float | None = None):
+        self.lower_bound = lower_bound
+        self.name = "fla.ops.kda (chunk_kda, fused_recurrent_kda)" + (
+            "" if lower_bound is None else f"; chunk_kda with safe_gate=True, lower_bound={lower_bound}"
+        )
 
     def run(self, path: str, call: KernelCall) -> KernelResult:
         from fla.ops.kda import chunk_kda, fused_recurrent_kda
@@ -125,6 +133,9 @@ class TritonKernels:
         if call.packed:
             bounds = [start for start, _ in call.spans] + [call.spans[-1][1]]
             cu_seqlens = torch.tensor(bounds, dtype=torch.long, device=call.q.device)
+        bounded = {}
+        if path == "chunk" and self.lower_bound is not None:
+            bounded = {"safe_gate": True, "lower_bound": self.lower_bound}
         o, final = kernel(
             call.q,
             call.k,
@@ -135,10 +146,12 @@ class TritonKernels:
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=cu_seqlens,
+            **bounded,
         )
         return KernelResult(o, final.float())
 
 
-def kernel_backend(device: str) -> KernelBackend:
-    """The kernels of the kernel-level keys on `device` ("cpu" or "cuda")."""
-    return NaiveKernels() if device == "cpu" else TritonKernels()
+def kernel_backend(device: str, config: KDAConfig) -> KernelBackend:
+    """The kernels of the kernel-level keys on `device` ("cpu" or "cuda") for layers of `config`'s family
+    (the naive kernels take any precomputed g; the Triton chunk kernel is told a lower-bound gate's L)."""
+    return NaiveKernels() if device == "cpu" else TritonKernels(config.gate_lower_bound)

@@ -1,9 +1,16 @@
 """One KDA layer's weights read from a safetensors checkpoint folder: the one reader of the project.
 
 A folder holds `model.safetensors.index.json` and the shards it names, or one `model.safetensors`.
-Only the requested layer's fifteen tensors are read (safetensors' numpy framework: bf16 arrives as
+Only the requested layer's tensors are read (safetensors' numpy framework: bf16 arrives as
 `ml_dtypes.bfloat16`), each checked against the config's shape and returned as float32, bf16 and fp16
-upcast exactly. The index is not trusted: a shard name must be a string naming a file inside the folder.
+upcast exactly, under the family's names (`kda_spec.weight_names`). The index is not trusted: a shard
+name must be a string naming a file inside the folder.
+
+Where a checkpoint keeps the layer (`stored_layouts`): under `model.layers.{i}.self_attn.` or, as
+transformers' `Glm5NextForConditionalGeneration` (GLM-5.3-Flash) does, `model.language_model.layers.{i}
+.self_attn.`; and by the family's names, or by the names transformers 5.24.0 converts a glm5-next
+checkpoint from on load (`conversion_mapping.py`, "glm5_next": the gate's weights without `forget_gate.`,
+the three convs `{q,k,v}_conv1d.weight` `[P, 1, W]`, which it concatenates into `conv1d.weight`).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import numpy as np
 from safetensors import safe_open
 
 from kda_spec.config import KDAConfig
+from kda_spec.families import CANONICAL_CONVS, FUSED_CONV
 from kda_spec.weight_names import hf_weight_shapes, layer_prefix
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -38,9 +46,38 @@ class CheckpointKeyMissing(CheckpointError, KeyError):
         return str(self.args[0])  # KeyError would quote the message
 
 
+# The prefix of a multimodal model's text layers (transformers' Glm5NextForConditionalGeneration).
+LANGUAGE_MODEL_PREFIX = "model.language_model.layers.{layer}.self_attn."
+
+# One way a checkpoint stores a layer: its key prefix, and for each family weight name the stored names
+# it is made of (one; or three convs concatenated on axis 0 into a fused conv).
+StoredLayout = tuple[str, dict[str, tuple[str, ...]]]
+
+
+def stored_layouts(config: KDAConfig, layer_idx: int) -> list[StoredLayout]:
+    """Every layout a checkpoint may store layer `layer_idx` of `config`'s family in, the contract's
+    (`model.layers.{i}.self_attn.`, the family's names) first."""
+    family = config.kda_family
+    own = {name: (name,) for name in hf_weight_shapes(config)}
+    converted = {family.checkpoint_name(name): (name,) for name in family.renames()}
+    if family.conv == FUSED_CONV:
+        converted[family.checkpoint_name(CANONICAL_CONVS[0])] = CANONICAL_CONVS
+    else:
+        converted.update({name: (name,) for name in CANONICAL_CONVS})
+    namings = [own] if converted == own else [own, converted]
+    prefixes = (layer_prefix(layer_idx), LANGUAGE_MODEL_PREFIX.format(layer=layer_idx))
+    return [(prefix, naming) for prefix in prefixes for naming in namings]
+
+
+def _stored_keys(layout: StoredLayout) -> list[str]:
+    prefix, naming = layout
+    return [prefix + stored for parts in naming.values() for stored in parts]
+
+
 def read_checkpoint_layer(folder: str | Path, layer_idx: int, config: KDAConfig) -> dict[str, np.ndarray]:
     """The KDA weights of 0-based layer `layer_idx` by HF name (no prefix), float32, in the order of
-    `hf_weight_shapes(config)`; a CheckpointError naming what is wrong."""
+    `hf_weight_shapes(config)`, from the first of `stored_layouts` the checkpoint holds whole; a
+    CheckpointError naming what is wrong (the missing keys of the layout it holds most of)."""
     root = Path(folder)
     if not root.is_dir():
         raise CheckpointFileMissing(f"checkpoint {folder}: not a directory")
@@ -53,36 +90,49 @@ def read_checkpoint_layer(folder: str | Path, layer_idx: int, config: KDAConfig)
             f"are {kda}"
         )
     weight_map, where = _weight_map(root)
-    prefix = layer_prefix(layer_idx)
-    expected = hf_weight_shapes(config)
-    missing = [prefix + name for name in expected if prefix + name not in weight_map]
-    if len(missing) == len(expected):
-        raise CheckpointKeyMissing(f"{where}: no tensor named {prefix}* (is layer {layer_idx} a KDA layer?)")
+    layouts = stored_layouts(config, layer_idx)
+    missing_by_layout = [[key for key in _stored_keys(layout) if key not in weight_map] for layout in layouts]
+    best = min(range(len(layouts)), key=lambda index: len(missing_by_layout[index]))
+    (prefix, naming), missing = layouts[best], missing_by_layout[best]
+    wanted = _stored_keys(layouts[best])
+    if len(missing) == len(wanted):
+        raise CheckpointKeyMissing(
+            f"{where}: no tensor named {layouts[0][0]}* (is layer {layer_idx} a KDA layer?)"
+        )
     if missing:
         raise CheckpointKeyMissing(
             f"{where}: no key {missing[0]!r} "
-            f"({len(missing)} of layer {layer_idx}'s {len(expected)} keys missing)"
+            f"({len(missing)} of layer {layer_idx}'s {len(wanted)} keys missing)"
         )
     by_shard: dict[str, list[str]] = {}
-    for name in expected:
-        by_shard.setdefault(weight_map[prefix + name], []).append(prefix + name)
-    tensors: dict[str, np.ndarray] = {}
+    for key in wanted:
+        by_shard.setdefault(weight_map[key], []).append(key)
+    stored: dict[str, np.ndarray] = {}
     for shard, keys in by_shard.items():
         path = root / shard
         if not path.is_file():
             raise CheckpointFileMissing(
                 f"checkpoint shard {path} (listed in {where} for {keys[0]!r}) does not exist"
             )
-        tensors.update(_read_shard(path, keys, where))
+        stored.update(_read_shard(path, keys, where))
+    expected = hf_weight_shapes(config)
+    tensors: dict[str, np.ndarray] = {}
     for name, shape in expected.items():
-        found = tensors[prefix + name].shape
+        parts = [stored[prefix + part] for part in naming[name]]
+        key = " | ".join(prefix + part for part in naming[name])
+        if len(parts) > 1 and len({part.shape for part in parts}) > 1:
+            shapes = [list(part.shape) for part in parts]
+            raise CheckpointError(f"checkpoint keys {key} have different shapes {shapes}")
+        tensors[name] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+        found = tensors[name].shape
         if found != shape:
+            what = f"key {key!r} has" if len(parts) == 1 else f"keys {key} concatenated have"
             raise CheckpointError(
-                f"checkpoint key {prefix + name!r} has shape {list(found)}, expected {list(shape)} for "
+                f"checkpoint {what} shape {list(found)}, expected {list(shape)} for "
                 f"hidden_size={config.hidden_size}, num_heads={config.num_heads}, "
                 f"head_dim={config.head_dim}, conv_size={config.conv_size}"
             )
-    return {name: tensors[prefix + name] for name in expected}
+    return tensors
 
 
 def _read_shard(path: Path, keys: list[str], where: Path) -> dict[str, np.ndarray]:

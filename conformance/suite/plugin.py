@@ -35,7 +35,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         f"--{PREFIX}dumps",
         dest="kda_dumps",
         metavar="DIR_OR_URL",
-        help="the dump set (default: the golden set the package carries)",
+        help="the dump set (default: the golden set the package carries; golden-glm5-next: its "
+        "glm5-next set)",
     )
     add_selection_options(group.addoption, PREFIX)
     group.addoption(

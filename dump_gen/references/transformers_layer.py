@@ -1,14 +1,18 @@
-"""The `transformers` and `fla` references: transformers' `KimiLinearDeltaAttention`.
+"""The `transformers` and `fla` references: transformers' KDA layer of the config's family,
+`KimiLinearDeltaAttention` (kimi-linear) or `Glm5NextTextLinearAttention` (glm5-next)
+(`transformers_families`).
 
 The layer has no varlen: each sequence of a packed case runs alone with batch 1, and the results are
 concatenated. A sequence with an initial state runs from a cache holding that state and a zero conv
-state, which is how the layer continues a sequence. For a prefill the layer calls its chunk kernel; for
-a single token with a state, its recurrent one.
+state in the run's dtype, which is how the layer continues a sequence. For a prefill the layer calls its
+chunk kernel; for a single token with a state, its recurrent one.
 
 - `transformers`: the layer's kernel functions as transformers resolves them on a GPU (fla's Triton
   kernels when fla is installed), their pure-torch versions (`__wrapped__`) on a CPU.
 - `fla`: the same layer with its kernel functions replaced by fla's: Triton `chunk_kda` /
-  `fused_recurrent_kda` on a GPU, the torch references `naive_chunk_kda` / `naive_recurrent_kda` on a CPU.
+  `fused_recurrent_kda` on a GPU, the torch references `naive_chunk_kda` / `naive_recurrent_kda` on a CPU;
+  a lower-bound family's forget gate (after its projections) is fla's too: `fused_kda_gate` on a GPU,
+  `naive_kda_lowerbound_gate` on a CPU, with the config's `lower_bound`.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from dump_gen.inputs import CaseInputs
 from dump_gen.kernels import PATHS, KernelBackend, KernelCall, kernel_backend
 from dump_gen.references.base import LayerRun, assemble_run, device_description, load_layer, package_versions
 from dump_gen.references.layout import check_layout, module_layout
-from dump_gen.references.transformers_names import HF_TO_TRANSFORMERS, hf_to_transformers, transformers_to_hf
+from dump_gen.references.transformers_families import TransformersLayer, transformers_layer
 from kda_spec.config import KDAConfig
 
 # The module-level kernel functions the layer's forward calls, by path; their names for q, k, v, g, beta.
@@ -42,29 +46,8 @@ _KERNEL_FUNCTIONS = {
 }
 _KERNEL_ARGS = ("query", "key", "value", "g", "beta")
 
-
-def _modeling() -> Any:
-    from transformers.models.kimi_linear import modeling_kimi_linear
-
-    return modeling_kimi_linear
-
-
-def transformers_config(config: KDAConfig) -> Any:
-    """A one-layer `KimiLinearConfig` whose only layer is a KDA layer of `config`'s shape."""
-    from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
-
-    return KimiLinearConfig(
-        hidden_size=config.hidden_size,
-        num_hidden_layers=1,
-        rms_norm_eps=config.rms_norm_eps,
-        linear_attn_config={
-            "head_dim": config.head_dim,
-            "num_heads": config.num_heads,
-            "short_conv_kernel_size": config.conv_size,
-            "kda_layers": [1],
-            "full_attn_layers": [],
-        },
-    )
+# A forget gate's replacement: the gate submodule's forward, given the submodule.
+GateForward = Callable[[torch.nn.Module], Callable[[torch.Tensor], torch.Tensor]]
 
 
 class TransformersReference:
@@ -73,15 +56,20 @@ class TransformersReference:
     def __init__(self, config: KDAConfig, device: str):
         self.config = config
         self.device = device
-        self.hf_config = transformers_config(config)
+        self.layer = transformers_layer(config)
+        self.hf_config = self.layer.make_config(config)
 
     def layer_kernels(self) -> dict[str, Callable[..., Any]]:
         """The function the layer runs for each kernel path."""
-        modeling = _modeling()
+        modeling = self.layer.modeling()
         functions = {path: getattr(modeling, name) for path, name in _KERNEL_FUNCTIONS.items()}
         if self.device == "cpu":
             return {path: function.__wrapped__ for path, function in functions.items()}
         return functions
+
+    def gate_forward(self) -> GateForward | None:
+        """What replaces the layer's forget gate's forward (None: the layer's own gate runs)."""
+        return None
 
     def patches(self) -> list[str]:
         if self.device == "cpu":
@@ -95,16 +83,21 @@ class TransformersReference:
         return {
             "versions": package_versions(),
             "device": device_description(self.device),
+            "layer": self.config.kda_family.reference,
             "patches": self.patches(),
         }
 
     def build(self, weights: dict[str, np.ndarray], dtype: torch.dtype) -> TransformersRunner:
-        layer = _modeling().KimiLinearDeltaAttention(self.hf_config, layer_idx=0)
-        check_layout(self.name, module_layout(layer, transformers_to_hf), self.config)
-        kept = frozenset(HF_TO_TRANSFORMERS[name] for name in self.config.kda_family.fp32_weights)
-        layer = load_layer(layer, hf_to_transformers(weights), dtype, self.device, kept)
-        gate_input = gate_input_module(self.config.kda_family, HF_TO_TRANSFORMERS.__getitem__)
-        return TransformersRunner(layer, self.hf_config, self.layer_kernels(), gate_input)
+        """`weights`: the family's checkpoint names (kda_spec.weight_names), float32."""
+        spec = self.layer
+        layer = getattr(spec.modeling(), spec.layer_class)(self.hf_config, layer_idx=0)
+        check_layout(self.name, module_layout(layer, spec.from_module), self.config)
+        kept = spec.module_names(self.config.kda_family.fp32_weights)
+        layer = load_layer(layer, spec.to_module(weights), dtype, self.device, kept)
+        gate_input = gate_input_module(self.config.kda_family, spec.module_name)
+        return TransformersRunner(
+            layer, spec, self.hf_config, self.layer_kernels(), gate_input, self.gate_forward()
+        )
 
 
 class FlaReference(TransformersReference):
@@ -112,16 +105,57 @@ class FlaReference(TransformersReference):
 
     def __init__(self, config: KDAConfig, device: str):
         super().__init__(config, device)
-        self.kernels = kernel_backend(device)
+        self.kernels = kernel_backend(device, config)
 
     def layer_kernels(self) -> dict[str, Callable[..., Any]]:
         return {path: _layer_call(self.kernels, path) for path in PATHS}
 
+    def _gate_function(self) -> tuple[str, Callable[..., torch.Tensor]]:
+        """fla's lower-bound gate on this device, and its name."""
+        if self.device == "cpu":
+            from fla.ops.kda.gate import naive_kda_lowerbound_gate
+
+            return "fla.ops.kda.gate.naive_kda_lowerbound_gate", naive_kda_lowerbound_gate
+        from fla.ops.kda.gate import fused_kda_gate
+
+        return "fla.ops.kda.gate.fused_kda_gate", fused_kda_gate
+
+    def gate_forward(self) -> GateForward | None:
+        if not self.config.kda_family.lower_bound_gate:
+            return None
+        _, function = self._gate_function()
+        return _fla_lower_bound_gate(function, self.config)
+
     def patches(self) -> list[str]:
-        return [
+        patches = [
             "chunk_kimi_delta_attention, recurrent_kimi_delta_attention: replaced by "
             f"{self.kernels.name} with use_qk_l2norm_in_kernel=True"
         ]
+        if self.config.kda_family.lower_bound_gate:
+            name, _ = self._gate_function()
+            patches.append(
+                f"forget_gate: its projections, then {name}(f, A_log, dt_bias, "
+                f"lower_bound={self.config.gate_lower_bound}) in fp32"
+            )
+        return patches
+
+
+def _fla_lower_bound_gate(function: Callable[..., torch.Tensor], config: KDAConfig) -> GateForward:
+    """The forward of a lower-bound forget gate module computed by fla's gate `function`: the module's own
+    `f_b_proj(f_a_proj(x))`, then `L * sigmoid(exp(A_log) * (f + dt_bias))` in fp32 by `function`."""
+
+    def forward_of(gate: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+            """hidden_states: [B, T, hidden] -> g [B, T, H, D] float32."""
+            f = gate.f_b_proj(gate.f_a_proj(hidden_states))
+            f = f.view(*f.shape[:-1], config.num_heads, config.head_dim)
+            return function(
+                f, gate.A_log, gate.dt_bias, lower_bound=config.gate_lower_bound, output_dtype=torch.float32
+            )
+
+        return forward
+
+    return forward_of
 
 
 def _layer_call(kernels: KernelBackend, path: str) -> Callable[..., Any]:
@@ -150,21 +184,30 @@ def _layer_call(kernels: KernelBackend, path: str) -> Callable[..., Any]:
 
 class TransformersRunner:
     def __init__(
-        self, layer: torch.nn.Module, hf_config: Any, kernels: dict[str, Callable[..., Any]], gate_input: str
+        self,
+        layer: torch.nn.Module,
+        spec: TransformersLayer,
+        hf_config: Any,
+        kernels: dict[str, Callable[..., Any]],
+        gate_input: str,
+        gate_forward: GateForward | None = None,
     ):
         self.layer = layer
+        self.spec = spec
         self.hf_config = hf_config
         self.kernels = kernels
         self.gate_input = gate_input  # the submodule whose output is the raw gate
+        self.gate_forward = gate_forward
 
-    def _cache(self, state: torch.Tensor) -> Any:
-        """A cache from which the layer continues a sequence: recurrent `state` [1, H, D, D], conv zeros."""
+    def _cache(self, state: torch.Tensor, dtype: torch.dtype) -> Any:
+        """A cache from which the layer continues a sequence: recurrent `state` [1, H, D, D], conv zeros in
+        the run's `dtype` (the dtype a cache's conv state takes from the layer's first q|k|v)."""
         from transformers.cache_utils import DynamicCache
 
         cache = DynamicCache(config=self.hf_config)
         weight = self.layer.conv1d.weight
         zeros = torch.zeros(
-            1, self.layer.conv_dim, self.layer.conv_kernel_size, dtype=weight.dtype, device=weight.device
+            1, self.layer.conv_dim, self.layer.conv_kernel_size, dtype=dtype, device=weight.device
         )
         cache.update_conv_state(zeros, layer_idx=0)
         cache.update_recurrent_state(state, layer_idx=0)
@@ -174,16 +217,23 @@ class TransformersRunner:
         recorder = KernelRecorder()
         norms: list[NormCall] = []
         gate_inputs: list[torch.Tensor] = []
-        modeling = _modeling()
+        modeling = self.spec.modeling()
         outputs = []
         with contextlib.ExitStack() as stack:
             for path, function in self.kernels.items():
                 recording = recorder.wrap(path, function, _KERNEL_ARGS)
                 stack.enter_context(replaced(modeling, _KERNEL_FUNCTIONS[path], recording))
+            if self.gate_forward is not None:
+                gate = self.layer.forget_gate
+                stack.enter_context(replaced(gate, "forward", self.gate_forward(gate)))
             stack.enter_context(recording_norm(self.layer.o_norm, norms))
             stack.enter_context(recording_output(self.layer, self.gate_input, gate_inputs))
             for index, (start, end) in enumerate(inputs.spans):
-                cache = None if initial_state is None else self._cache(initial_state[index : index + 1])
+                cache = (
+                    None
+                    if initial_state is None
+                    else self._cache(initial_state[index : index + 1], hidden.dtype)
+                )
                 outputs.append(self.layer(hidden[None, start:end], cache=cache))
         return assemble_run(
             torch.cat(outputs, dim=1), recorder.calls, norms, len(inputs.spans), gate_inputs=gate_inputs

@@ -43,9 +43,37 @@ def test_verify_without_dumps_checks_the_bundled_set(capsys: pytest.CaptureFixtu
 def test_an_install_without_the_set_says_so_on_one_line(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    monkeypatch.setattr(bundled, "CANDIDATES", (tmp_path / "a", tmp_path / "b"))
+    monkeypatch.setattr(bundled, "candidates", lambda name: (tmp_path / "a", tmp_path / "b"))
     assert main(["verify"]) == 2
     assert capsys.readouterr().err == (
         f"error: the package carries no golden dump set (no {tmp_path / 'a' / 'manifest.json'} or "
         f"{tmp_path / 'b' / 'manifest.json'}); give --dumps DIR_OR_URL\n"
     )
+
+
+def test_the_glm5_next_set_is_bundled_and_named_from_anywhere(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """golden-glm5-next/ is found like golden/, `--dumps golden-glm5-next` names it where no folder of that
+    name is (a wheel's user), its reports say bundled, and its manifest is of the glm5-next family."""
+    folder = REPO / bundled.GLM5_NEXT_NAME
+    assert bundled.bundled_set(bundled.GLM5_NEXT_NAME) == folder
+    monkeypatch.chdir(tmp_path)
+    assert bundled.dumps_or_bundled(bundled.GLM5_NEXT_NAME) == str(folder)
+    dumps = DumpSet(bundled.dumps_or_bundled(bundled.GLM5_NEXT_NAME))
+    digest = hashlib.sha256((folder / "manifest.json").read_bytes()).hexdigest()
+    assert dumps.label == f"golden-glm5-next (bundled, manifest sha256 {digest})"
+    assert dumps.config.family == "glm5-next" and dumps.config.gate_lower_bound == -5.0
+    (tmp_path / bundled.GLM5_NEXT_NAME).mkdir()  # a folder of that name here is read as a path
+    assert bundled.dumps_or_bundled(bundled.GLM5_NEXT_NAME) == bundled.GLM5_NEXT_NAME
+
+
+def test_the_wheel_maps_every_bundled_set() -> None:
+    """setup.py's package_dir and pyproject's package-data name each bundled set's package folder."""
+    setup = (REPO / "setup.py").read_text()
+    pyproject = (REPO / "pyproject.toml").read_text()
+    for name, package in bundled.PACKAGE_FOLDERS.items():
+        assert f'"conformance.{package}": "{name}"' in setup, name
+        assert f'"conformance.{package}.cases": "{name}/cases"' in setup, name
+        assert f'"conformance.{package}" = ["manifest.json", "weights.npz", "README.md"]' in pyproject, name
+        assert f'"conformance.{package}.cases" = ["*.npz"]' in pyproject, name

@@ -67,3 +67,21 @@ def test_test_installs_everything_and_libtpu_for_the_tpu_compile(tmp_path: Path)
 def test_an_unknown_platform_is_refused(tmp_path: Path) -> None:
     done = _make_n(tmp_path, "conform", "PLATFORM=gpu")
     assert done.returncode == 2 and "PLATFORM=gpu is not one of cpu tpu cuda" in done.stderr
+
+
+def test_conform_checks_both_golden_sets_unless_dumps_names_one(tmp_path: Path) -> None:
+    runs = [
+        line
+        for line in _make_n(tmp_path, "conform", "PLATFORM=cpu").stdout.splitlines()
+        if "-m conformance" in line
+    ]
+    assert len(runs) == 2
+    assert "--dumps golden --kernel auto --report-dir reports" in runs[0]
+    assert "--dumps golden-glm5-next --cases varlen_initstate varlen_70_3 --kernel auto" in runs[1]
+    assert "--report-dir reports/golden-glm5-next" in runs[1]
+    done = _make_n(tmp_path, "conform", "PLATFORM=cpu", "DUMPS=other", "REPORT_DIR=out")
+    runs = [line for line in done.stdout.splitlines() if "-m conformance" in line]
+    assert len(runs) == 1 and "--dumps other --kernel auto --report-dir out" in runs[0]
+    goldens = _make_n(tmp_path, "goldens", "PLATFORM=cpu").stdout  # one command remakes both sets
+    assert "--out golden.tmp --preset mini " in goldens
+    assert "--out golden-glm5-next.tmp --preset glm5-next-mini --weights stress" in goldens

@@ -12,10 +12,12 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
+from conformance.dumps.bundled import PACKAGE_FOLDERS
 from tests.packaging.venvs import SGL_JAX_PINS, fresh_venv, pin_args, pip
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 # in the checkout.
 BUILD_INPUTS = (
     *("pyproject.toml", "setup.py", "README.md"),
-    *("kda_spec", "kda_impl", "dump_gen", "conformance", "golden"),
+    *("kda_spec", "kda_impl", "dump_gen", "conformance", "golden", "golden-glm5-next"),
 )
 GOLDEN = REPO / "golden"
 COMMAND_TIMEOUT_S = 600
@@ -90,6 +92,13 @@ def _first_error_line(done: subprocess.CompletedProcess) -> str:
 @pytest.mark.pypi
 def test_every_command_works_from_the_wheel_beside_sgl_jax_pins(tmp_path: Path) -> None:
     wheel = _build_wheel(tmp_path)
+    carried = zipfile.ZipFile(wheel).namelist()
+    for package in PACKAGE_FOLDERS.values():  # both golden sets, each whole
+        assert f"conformance/{package}/manifest.json" in carried, package
+        assert f"conformance/{package}/README.md" in carried, package
+    assert sum(name.startswith("conformance/golden_glm5_next/cases/") for name in carried) == len(
+        list((REPO / "golden-glm5-next" / "cases").glob("*.npz"))
+    )
     python = fresh_venv(tmp_path / "venv")
     pip(python, "install", "-q", *pin_args())  # sgl-jax's environment, as it was before
     pip(python, "install", "-q", str(wheel))  # the package, with no extra
