@@ -92,7 +92,7 @@ def split_rows(
     shape = calls.inputs(case, dtype).shape
     name = calls.adapter(dtype).name
     runs: dict[str, tuple[np.ndarray, np.ndarray, int, float]] = {}
-    for size in [max(case.info.seq_lens), *sorted(piece_sizes, reverse=True)]:
+    for size in [max(case.info.seq_lens), *sorted(set(piece_sizes), reverse=True)]:
         split = UNSPLIT if size >= max(case.info.seq_lens) else str(size)
         progress.update(task, description=f"{name}: {split}")
         start = time.perf_counter()
@@ -212,6 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefer_fast_cpu_compile()  # before JAX starts, as `python -m conformance` does
     enable_compile_cache()
     impls = args.impl or ["kda_impl"]
+    accepted = {impl: set(load_adapter_class(impl).OPTIONS) for impl in impls}
+    unused = sorted(set(options) - set().union(*accepted.values()))
+    if unused:
+        raise ValueError(f"--impl-option {unused}: no --impl {impls} has such an option")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     title = (
@@ -221,17 +225,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, disable=args.no_progress) as progress:
         task = progress.add_task(
-            "the case and its float64 truth", total=1 + len(impls) * (1 + len(args.pieces))
+            "the case and its float64 truth", total=1 + len(impls) * (1 + len(set(args.pieces)))
         )
         dumps = case_set(args.preset, args.weights, args.tokens, args.dtype, args.seed)
         progress.advance(task)
         rows = []
         for impl in impls:
-            accepted = load_adapter_class(impl).OPTIONS
             rows += split_rows(
                 dumps,
                 impl,
-                {k: v for k, v in options.items() if k in accepted},
+                {k: v for k, v in options.items() if k in accepted[impl]},
                 args.dtype,
                 args.pieces,
                 progress,
