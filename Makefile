@@ -53,7 +53,8 @@ DUMP_ARGS ?=
 GCS_FOR_DUMPS := $(if $(filter gs://%,$(DUMPS)),$(VENV)/.gcs)
 GCS_FOR_OUT := $(if $(filter gs://%,$(OUT)),$(VENV)/.gcs)
 
-.PHONY: conform test test-slow dump golden golden-glm5-next goldens lint bench conform-full conform-sglang-jax clean-venv device-check
+.PHONY: conform test test-slow dump golden golden-glm5-next goldens lint bench split-curve conform-full \
+	conform-sglang-jax clean-venv device-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -139,6 +140,15 @@ bench: $(VENV)/.full-$(PLATFORM)
 	$(PY) -m benchmarks.bench_decode
 	$(PY) -m benchmarks.bench_layer
 	$(PY) -m benchmarks.bench_search
+
+# The split curve (benchmarks/split_curve.py): the real-size layer's bf16 error against the float64 truth
+# and against its unsplit prefill, for a prefill of SPLIT_CURVE_TOKENS tokens in pieces of 64..512;
+# kda_impl, and sglang-jax's too with SGLANG_JAX=/path/to/sglang-jax. A table and a plot in
+# $(REPORT_DIR)/split-curve; minutes on a CPU (sglang-jax's Pallas kernels are interpreted there).
+SPLIT_CURVE_TOKENS ?= 1024
+split-curve: $(VENV)/.full-$(PLATFORM)
+	$(PY) -W ignore::DeprecationWarning -m benchmarks.split_curve --tokens $(SPLIT_CURVE_TOKENS) \
+		--out $(REPORT_DIR)/split-curve $(if $(SGLANG_JAX),--impl kda_impl $(SGLANG_JAX_IMPL))
 
 # On a GPU machine, with the machine's own python (torch, JAX, triton) and the wheels in .whl/; here:
 # make device-check DEVICE_CHECK_ARGS=--cpu-smoke PYTHON=.venv/bin/python

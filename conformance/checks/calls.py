@@ -230,11 +230,7 @@ class ImplementationCalls:
         return self._results.get(("chunked", dtype), lambda: self._chunked_prefill(case, dtype))
 
     def _chunked_prefill(self, case: CaseData, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
-        out = np.zeros(self.inputs(case, dtype).shape, np.float32)
-        calls = self.chunked_prefill_steps(case, dtype)
-        for rows, result in calls:
-            out[rows] = result.out
-        return out, calls[-1][1].final_state
+        return pieces_output(self.chunked_prefill_steps(case, dtype), self.inputs(case, dtype).shape)
 
     def extend(
         self,
@@ -337,6 +333,15 @@ class ImplementationCalls:
             raise CheckSkipped(
                 f"the shortest sequence has {min(case.info.seq_lens)} token: every call needs a piece of each"
             )
+        return self.prefill_in_pieces(case, dtype, pieces)
+
+    def prefill_in_pieces(
+        self, case: CaseData, dtype: str, pieces: list[list[tuple[int, int]]]
+    ) -> list[tuple[np.ndarray, LayerResult]]:
+        """The case prefilled one call per entry of `pieces` (the (start, stop) token range of every
+        sequence, relative to it: `sequences.chunked_prefill_pieces`, `sequences.pieces_of`), each call
+        continuing the last one's carry (recurrent and conv states); every call's result with the case's
+        token positions of its rows (`pieces_output` puts them together). Not kept: computed per call."""
         x, cu = self.inputs(case, dtype), case.cu_seqlens
         calls: list[tuple[np.ndarray, LayerResult]] = []
         for ranges in pieces:
@@ -350,6 +355,17 @@ class ImplementationCalls:
             )
             calls.append((sequences.rows(cu, ranges), result))
         return calls
+
+
+def pieces_output(
+    calls: list[tuple[np.ndarray, LayerResult]], shape: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """A prefill in pieces put together: (out [T, hidden] of `shape`, each row from the call that computed
+    it; the last call's final states [N, H, D, D])."""
+    out = np.zeros(shape, np.float32)
+    for rows, result in calls:
+        out[rows] = result.out
+    return out, calls[-1][1].final_state
 
 
 def _rows_of(result: LayerResult, rows: list[int]) -> LayerResult:

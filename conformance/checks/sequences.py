@@ -37,6 +37,24 @@ def chunked_prefill_pieces(seq_lens: tuple[int, ...]) -> list[list[tuple[int, in
     return [[(b[j], b[j + 1]) for b in bounds] for j in range(parts)]
 
 
+def pieces_of(seq_lens: tuple[int, ...], piece_tokens: int) -> list[list[tuple[int, int]]]:
+    """`chunked_prefill_pieces`'s form for pieces of a fixed size: each call takes the next `piece_tokens`
+    tokens of every sequence (its last call the rest). Every call carries all sequences, so they must need
+    the same number of calls; `piece_tokens` >= the longest sequence is one call, the whole prefill."""
+    if piece_tokens < 1:
+        raise ValueError(f"piece_tokens must be >= 1, got {piece_tokens}")
+    if not seq_lens or min(seq_lens) < 1:
+        raise ValueError(f"seq_lens must be non-empty lengths >= 1, got {seq_lens}")
+    calls = {-(-n // piece_tokens) for n in seq_lens}
+    if len(calls) > 1:
+        raise ValueError(
+            f"seq_lens {seq_lens} need {sorted(calls)} calls of piece_tokens={piece_tokens}: every call "
+            "carries a piece of each sequence, so they must need the same number"
+        )
+    starts = range(0, max(seq_lens), piece_tokens)
+    return [[(lo, min(lo + piece_tokens, n)) for n in seq_lens] for lo in starts]
+
+
 def gather(x: np.ndarray, cu_seqlens: np.ndarray, ranges: list[tuple[int, int]]) -> np.ndarray:
     """The rows `ranges[i]` (relative to sequence i) of every sequence of a packed batch, packed again."""
     return np.concatenate([x[cu_seqlens[i] + lo : cu_seqlens[i] + hi] for i, (lo, hi) in enumerate(ranges)])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 
 from conformance.checks import sequences
 from conformance.checks.catalogue import case_checks
@@ -27,6 +28,16 @@ def test_chunked_prefill_pieces_cover_each_sequence_once() -> None:
         assert all(lo < hi for lo, hi in ranges)
         assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
     assert sequences.chunked_prefill_pieces((65,)) == [[(0, 22)], [(22, 43)], [(43, 65)]]
+
+
+def test_pieces_of_a_fixed_size() -> None:
+    assert sequences.pieces_of((10,), 4) == [[(0, 4)], [(4, 8)], [(8, 10)]]
+    assert sequences.pieces_of((10,), 10) == [[(0, 10)]]  # one call: the whole prefill
+    assert sequences.pieces_of((8, 7), 4) == [[(0, 4), (0, 4)], [(4, 8), (4, 7)]]
+    with pytest.raises(ValueError, match=r"need \[1, 2\] calls"):
+        sequences.pieces_of((3, 7), 4)
+    with pytest.raises(ValueError, match="piece_tokens must be >= 1"):
+        sequences.pieces_of((3,), 0)
 
 
 def test_gather_and_rows_agree() -> None:
