@@ -1,6 +1,7 @@
 # Every target creates and reuses a local virtualenv (.venv) on first use.
 #   make conform   the conformance suite of kda_impl against golden/ and golden-glm5-next/ (JAX only, no
 #                  torch); DUMPS= checks that one set instead
+#   make fla-tests FLA=PATH  fla's forward KDA tests (an fla checkout) on kda_impl's kernels (KERNEL=)
 #   make test      the project's own tests (installs the CPU torch references too), on PYTEST_WORKERS
 #                  processes (pytest-xdist; default: the CPU count, at most 4)
 # Each target installs the extras of this host's platform, PLATFORM=cpu|tpu|cuda, detected
@@ -53,8 +54,8 @@ DUMP_ARGS ?=
 GCS_FOR_DUMPS := $(if $(filter gs://%,$(DUMPS)),$(VENV)/.gcs)
 GCS_FOR_OUT := $(if $(filter gs://%,$(OUT)),$(VENV)/.gcs)
 
-.PHONY: conform test test-slow dump golden golden-glm5-next goldens lint bench split-curve conform-full \
-	conform-sglang-jax clean-venv device-check
+.PHONY: conform test test-slow fla-tests dump golden golden-glm5-next goldens lint bench split-curve \
+	conform-full conform-sglang-jax clean-venv device-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -99,6 +100,12 @@ conform: $(VENV)/.core-$(PLATFORM) $(GCS_FOR_DUMPS)
 
 test: $(VENV)/.full-$(PLATFORM) $(LIBTPU_DIR)/.installed
 	KDA_LIBTPU_PATH=$(abspath $(LIBTPU_DIR)) $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
+
+# fla's own forward KDA tests (tests/ops/test_kda.py of an fla checkout FLA=PATH) on kda_impl's kernels,
+# KERNEL=naive|pallas (Pallas in interpret mode off TPU); tests/fla_shim, docs/kernels.md.
+fla-tests: $(VENV)/.full-$(PLATFORM)
+	@test -n "$(FLA)" || { echo "make fla-tests needs FLA=PATH, an fla checkout"; exit 2; }
+	$(PY) -m tests.fla_shim --fla $(FLA) --kernel $(if $(filter auto,$(KERNEL)),naive,$(KERNEL)) $(PYTEST_ARGS)
 
 # The long real-size runs (tests/test_real_size.py, marked slow): what conform-full does, as tests.
 test-slow: $(VENV)/.full-$(PLATFORM)

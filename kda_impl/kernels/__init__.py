@@ -28,8 +28,6 @@ import jax
 import numpy as np
 
 from kda_impl.kernels import naive
-from kda_impl.kernels.common import kda_gate
-from kda_impl.kernels.validation import validate_float_inputs, validate_gate_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -217,35 +215,12 @@ def _implementation(call: KernelCall, kernel: str | None) -> Callable:
     return getattr(naive, call.name)
 
 
-def chunk_kda(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    *,
-    kernel: str | None = None,
-    use_gate_in_kernel: bool = False,
-    A_log=None,
-    dt_bias=None,
-    **kwargs,
-):
-    """Chunked KDA (prefill); fla's signature, see `kda_impl.kernels.chunk.chunk_kda`.
-
-    With `use_gate_in_kernel`, `g` is the raw gate projection `[B, T, H, K]` and the decay
-    `-exp(A_log[h]) * softplus(g + dt_bias)` (A_log `[H]`, dt_bias `[H, K]` or `[H * K]`) is computed
-    inside the Pallas kernel, or just before the plain-JAX one.
-    """
-    gate = {"use_gate_in_kernel": use_gate_in_kernel, "A_log": A_log, "dt_bias": dt_bias}
-    if resolve_kernel(kernel, KernelCall("chunk_kda", (q, k, v, g, beta), {**gate, **kwargs})) == "pallas":
-        module, _ = _pallas_module()
-        return module.chunk_kda(q, k, v, g, beta, **gate, **kwargs)
-    if use_gate_in_kernel:
-        validate_float_inputs(g=g)  # as the Pallas kernel does, before the gate upcasts it
-    params = validate_gate_inputs(use_gate_in_kernel, A_log, dt_bias, g)
-    if params is not None:
-        g = kda_gate(g, params[0][:, None], params[1])
-    return naive.chunk_kda(q, k, v, g, beta, **kwargs)
+def chunk_kda(q, k, v, g, beta, *, kernel: str | None = None, **kwargs):
+    """Chunked KDA (prefill); fla's signature and options, see `kda_impl.kernels.chunk.chunk_kda` and
+    `kda_impl.kernels.options` (the Pallas kernel applies `use_gate_in_kernel`'s gate in-kernel, the
+    plain-JAX one just before)."""
+    call = KernelCall("chunk_kda", (q, k, v, g, beta), kwargs)
+    return _implementation(call, kernel)(q, k, v, g, beta, **kwargs)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, *, kernel: str | None = None, **kwargs):

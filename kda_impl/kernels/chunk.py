@@ -47,16 +47,21 @@ import jax.numpy as jnp
 
 from kda_impl.kernels.common import HIGHEST, PackedInputs, chunk_layout, finite_log_decay
 from kda_impl.kernels.entry import FlaResult, fla_entry
+from kda_impl.kernels.options import validate_chunk_size
 
 # Tokens per chunk: the in-chunk work grows as C^2 per chunk while the state products cost the same per
 # token for any C; on XLA:CPU 32 is the fastest (see CHANGELOG.md), fla uses 64.
 CHUNK_SIZE = 32
 
 
-def _packed_chunk_kda(packed: PackedInputs, *, scale: float, chunk_size: int) -> tuple[jax.Array, jax.Array]:
+def _packed_chunk_kda(
+    packed: PackedInputs, *, scale: float, chunk_size: int, return_intermediate_states: bool = False
+) -> tuple[jax.Array, ...]:
     """The kernel of `chunk_kda` on the packed batch (`entry.fla_entry`): one `lax.scan` step per chunk,
     its rows sliced from the packed inputs and the whole chunk computed there (`chunk_step`), so every
-    temporary is one chunk's `[H, C, ...]`, cache-sized."""
+    temporary is one chunk's `[H, C, ...]`, cache-sized. Any power-of-two `chunk_size` (the public
+    `chunk_kda` takes fla's 32 and 64). Returns (o, finals), and with `return_intermediate_states` the
+    state entering each chunk `[NC, H, K, V]`."""
     if chunk_size <= 0 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
     q, k, v, g, beta = packed.inputs._replace(g=finite_log_decay(packed.inputs.g))
@@ -85,21 +90,23 @@ def _packed_chunk_kda(packed: PackedInputs, *, scale: float, chunk_size: int) ->
         finals = jax.lax.cond(
             is_last, lambda f: jax.lax.dynamic_update_index_in_dim(f, end_state, seq, 0), lambda f: f, finals
         )
-        return (end_state, finals), o
+        return (end_state, finals), ((o, start) if return_intermediate_states else o)
 
     chunk_index = jnp.arange(layout.seq.shape[0], dtype=jnp.int32)
     is_last = layout.nonempty[layout.seq] & (chunk_index == layout.last[layout.seq])
-    (_, finals), o_chunks = jax.lax.scan(
+    (_, finals), per_chunk = jax.lax.scan(
         step,
         (init[0], init),
         (window_start, first_token, end_token, layout.is_first, layout.seq, is_last),
-    )  # o_chunks [NC, H, C, V]
+    )
+    o_chunks, starts = per_chunk if return_intermediate_states else (per_chunk, None)  # [NC, H, C, V]
     rows = jnp.moveaxis(o_chunks, 1, 2).reshape(-1, *o_chunks.shape[1:2], o_chunks.shape[-1])  # [NC*C, H, V]
     row_in_window = jnp.arange(tokens, dtype=jnp.int32) - window_start[layout.slot]
-    return rows[layout.slot * chunk_size + row_in_window], finals
+    o = rows[layout.slot * chunk_size + row_in_window]
+    return (o, finals, starts) if return_intermediate_states else (o, finals)
 
 
-_CHUNK_KDA = fla_entry(_packed_chunk_kda, static=("chunk_size",))
+_CHUNK_KDA = fla_entry(_packed_chunk_kda, static=("chunk_size", "return_intermediate_states"), chunked=True)
 
 
 def chunk_kda(
@@ -114,6 +121,16 @@ def chunk_kda(
     output_final_state: bool = False,
     cu_seqlens: jax.Array | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: jax.Array | None = None,  # fla's name
+    dt_bias: jax.Array | None = None,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    transpose_state_layout: bool | None = None,
+    return_intermediate_states: bool = False,
     chunk_size: int = CHUNK_SIZE,
 ) -> FlaResult:
     """KDA over whole sequences, chunk by chunk (prefill).
@@ -122,8 +139,10 @@ def chunk_kda(
     kernel's own options.
 
     Args:
-        chunk_size: tokens per chunk, a power of two (default `CHUNK_SIZE`).
+        return_intermediate_states: also return h, the state entering every chunk (`entry`).
+        chunk_size: tokens per chunk, 32 or 64 as in fla (default `CHUNK_SIZE`).
     """
+    validate_chunk_size(chunk_size)
     return _CHUNK_KDA(**locals())  # every argument as written above
 
 

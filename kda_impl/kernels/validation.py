@@ -17,7 +17,8 @@ from kda_impl.kernels.common import KdaInputs
 
 @dataclasses.dataclass(frozen=True)
 class KernelShapes:
-    """Static sizes of one kernel call: B batch rows, T tokens per row, N sequences, H heads, K, V."""
+    """Static sizes of one kernel call: B batch rows, T tokens per row, N sequences, H q/k heads, HV value
+    heads (HV = H, or a multiple of it with GVA), K, V; the states' layout."""
 
     batch: int
     tokens: int
@@ -25,17 +26,21 @@ class KernelShapes:
     heads: int
     key_dim: int
     value_dim: int
+    value_heads: int
+    state_v_first: bool = False
 
     @property
     def state_shape(self) -> tuple[int, int, int, int]:
-        """(N, H, K, V): the initial and final states of the call."""
-        return (self.num_seqs, self.heads, self.key_dim, self.value_dim)
+        """The initial and final states of the call: (N, HV, K, V), or (N, HV, V, K) `state_v_first`."""
+        inner = (self.value_dim, self.key_dim) if self.state_v_first else (self.key_dim, self.value_dim)
+        return (self.num_seqs, self.value_heads, *inner)
 
 
 def static_validate_inputs(
-    inputs: KdaInputs,  # [B, T, H, ...] as the caller gives them
-    initial_state: jax.Array | None,  # [N, H, K, V]
+    inputs: KdaInputs,  # q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV]
+    initial_state: jax.Array | None,  # [N, HV, K, V], or [N, HV, V, K] with state_v_first
     cu_seqlens: jax.Array | None,  # i32[N + 1]
+    state_v_first: bool = False,
 ) -> KernelShapes:
     """Check the dtypes are floating point and the shapes agree, naming the offending argument; return
     the sizes."""
@@ -46,13 +51,21 @@ def static_validate_inputs(
     batch, tokens, heads, key_dim = q.shape
     if k.shape != q.shape:
         raise ValueError(f"k.shape={k.shape} must equal q.shape={q.shape}")
-    if g.shape != q.shape:
-        raise ValueError(f"g.shape={g.shape} must equal q.shape={q.shape} (per-channel log decay)")
-    if v.ndim != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must be [B, T, H, V] with B, T, H of q {q.shape[:3]}, got {v.shape}")
-    if beta.shape != q.shape[:3]:
-        raise ValueError(f"beta.shape={beta.shape} must be [B, T, H]={q.shape[:3]}")
-    value_dim = v.shape[3]
+    if v.ndim != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"v must be [B, T, HV, V] with B, T of q {q.shape[:2]}, got {v.shape}")
+    value_heads, value_dim = v.shape[2:]
+    if value_heads % heads:
+        raise ValueError(
+            f"v has HV={value_heads} heads, which must be a multiple of q's H={heads} (GVA: value head j "
+            f"reads q/k head j // (HV / H))"
+        )
+    if g.shape != (batch, tokens, value_heads, key_dim):
+        raise ValueError(
+            f"g.shape={g.shape} must be [B, T, HV, K]={(batch, tokens, value_heads, key_dim)} "
+            "(per-channel log decay)"
+        )
+    if beta.shape != (batch, tokens, value_heads):
+        raise ValueError(f"beta.shape={beta.shape} must be [B, T, HV]={(batch, tokens, value_heads)}")
     if cu_seqlens is not None:
         if batch != 1:
             raise ValueError(f"with cu_seqlens the batch must be packed into B=1, got B={batch}")
@@ -64,14 +77,14 @@ def static_validate_inputs(
         dynamic_validate_cu_seqlens(cu_seqlens, tokens)
     else:
         num_seqs = batch
-    if initial_state is not None:
-        expected = (num_seqs, heads, key_dim, value_dim)
-        if initial_state.shape != expected:
-            raise ValueError(
-                f"initial_state.shape={initial_state.shape} must be [N, H, K, V]={expected} "
-                f"(N={num_seqs} sequences)"
-            )
-    return KernelShapes(batch, tokens, num_seqs, heads, key_dim, value_dim)
+    shapes = KernelShapes(batch, tokens, num_seqs, heads, key_dim, value_dim, value_heads, state_v_first)
+    if initial_state is not None and initial_state.shape != shapes.state_shape:
+        layout = "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"
+        raise ValueError(
+            f"initial_state.shape={initial_state.shape} must be {layout}={shapes.state_shape} "
+            f"(N={num_seqs} sequences)"
+        )
+    return shapes
 
 
 def validate_float_inputs(**arrays: jax.Array) -> None:
@@ -100,27 +113,3 @@ def dynamic_validate_cu_seqlens(cu_seqlens: jax.Array | np.ndarray, total_tokens
         raise ValueError(
             f"cu_seqlens must end at the token count T={total_tokens}, got cu_seqlens[-1]={offsets[-1]}"
         )
-
-
-def validate_gate_inputs(
-    use_gate_in_kernel: bool,
-    a_log: jax.Array | None,  # [H]
-    dt_bias: jax.Array | None,  # [H, K] or [H * K]
-    g: jax.Array,  # [..., H, K] the raw gate
-) -> tuple[jax.Array, jax.Array] | None:
-    """The in-kernel gate's parameters as fp32 `([H], [H, K])` (dt_bias zeros when None), or None without
-    the option; a ValueError names a missing, misshapen or unwanted one."""
-    if not use_gate_in_kernel:
-        if a_log is not None or dt_bias is not None:
-            raise ValueError("A_log / dt_bias are only used with use_gate_in_kernel=True")
-        return None
-    heads, key_dim = jnp.shape(g)[-2:]
-    if a_log is None:
-        raise ValueError(f"use_gate_in_kernel=True needs A_log of shape [H]=({heads},), got None")
-    if jnp.shape(a_log) != (heads,):
-        raise ValueError(f"A_log.shape={jnp.shape(a_log)} must be [H]=({heads},)")
-    if dt_bias is None:
-        dt_bias = jnp.zeros((heads, key_dim), jnp.float32)
-    if jnp.shape(dt_bias) not in ((heads, key_dim), (heads * key_dim,)):
-        raise ValueError(f"dt_bias.shape={jnp.shape(dt_bias)} must be [H, K]={(heads, key_dim)} or [H * K]")
-    return jnp.asarray(a_log, jnp.float32), jnp.asarray(dt_bias, jnp.float32).reshape(heads, key_dim)

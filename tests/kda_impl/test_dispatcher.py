@@ -143,12 +143,12 @@ def test_auto_probes_pallas_at_each_calls_shapes_once(monkeypatch, fresh_dispatc
     assert fallback_lines[0].startswith(
         "KDA kernels: using plain JAX (naive) instead of Pallas: "
         "chunk_kda(float32[1,64,2,32], float32[1,64,2,32], float32[1,64,2,32], float32[1,64,2,32], "
-        "float32[1,64,2], A_log=None, "
+        "float32[1,64,2], output_final_state=True, use_qk_l2norm_in_kernel=True) "
     )
     assert fallback_lines[0].endswith(
         "does not lower on cpu: RuntimeError: Mosaic: VMEM exhausted at 64 rows"
     )
-    options = {**NORMALISED, "use_gate_in_kernel": False, "A_log": None, "dt_bias": None}  # as dispatched
+    options = dict(NORMALISED)  # as dispatched
     small_call = kernels.KernelCall("chunk_kda", tuple(small.values()), options)
     large_call = kernels.KernelCall("chunk_kda", tuple(large.values()), options)
     assert kernels.resolve_kernel("auto", small_call) == "pallas"

@@ -227,11 +227,11 @@ def test_bad_shapes_are_named(rng):
     inputs = random_kernel_inputs(rng, 10, batch=2)
     with pytest.raises(ValueError, match=r"k.shape=\(2, 9, 2, 32\) must equal q.shape"):
         naive.chunk_kda(**{**inputs, "k": inputs["k"][:, :9]})
-    with pytest.raises(ValueError, match="v must be"):
+    with pytest.raises(ValueError, match=r"v has HV=3 heads, which must be a multiple of q's H=2"):
         naive.chunk_kda(**{**inputs, "v": np.zeros((2, 10, 3, 32), np.float32)})
     with pytest.raises(ValueError, match="packed into B=1"):
         naive.chunk_kda(**inputs, cu_seqlens=np.array([0, 10], np.int32))
-    with pytest.raises(ValueError, match=r"initial_state.shape=\(1, 2, 32, 32\) must be \[N, H, K, V\]"):
+    with pytest.raises(ValueError, match=r"initial_state.shape=\(1, 2, 32, 32\) must be \[N, HV, K, V\]"):
         naive.fused_recurrent_kda(**inputs, initial_state=np.zeros((1, 2, 32, 32), np.float32))
     with pytest.raises(ValueError, match="slot index 9 is outside"):
         step = {name: x[:, 0] for name, x in inputs.items()}

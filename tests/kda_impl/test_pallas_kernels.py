@@ -226,13 +226,13 @@ def test_gate_arguments_are_validated(rng):
     inputs = random_kernel_inputs(rng, 8, heads=HEADS, dim=DIM)
     with pytest.raises(ValueError, match="needs A_log"):
         pallas.chunk_kda(**inputs, use_gate_in_kernel=True)
-    with pytest.raises(ValueError, match=r"A_log.shape=\(3,\) must be \[H\]=\(2,\)"):
+    with pytest.raises(ValueError, match=r"A_log.shape=\(3,\) must be \[HV\]=\(2,\)"):
         pallas.chunk_kda(**inputs, use_gate_in_kernel=True, A_log=np.zeros(3, np.float32))
-    with pytest.raises(ValueError, match=r"dt_bias.shape=\(2, 64\) must be \[H, K\]"):
+    with pytest.raises(ValueError, match=r"dt_bias.shape=\(2, 64\) must be \[HV, K\]"):
         pallas.chunk_kda(
             **inputs, use_gate_in_kernel=True, A_log=np.zeros(2, np.float32), dt_bias=np.zeros((2, 64))
         )
     with pytest.raises(ValueError, match="only used with use_gate_in_kernel=True"):
         pallas.chunk_kda(**inputs, A_log=np.zeros(2, np.float32))
-    with pytest.raises(ValueError, match="chunk_size must be a positive multiple of 16"):
+    with pytest.raises(ValueError, match=r"`chunk_size` must be either 32 or 64 for KDA, got 40"):
         pallas.chunk_kda(**inputs, chunk_size=40)

@@ -62,6 +62,25 @@ def tpu_entry_points(
         )  # fmt: skip
 
     gate = [sds((heads,), f32), sds((heads * dim,), f32)]
+    # fla's options: GVA (q, k on half the heads), the lower-bound gate, beta logits, v-first states and
+    # the intermediate states (an extra output of the kernel); a v-first decode pool.
+    gva_in = [sds((1, tokens, heads // 2, dim), dtype)] * 2 + tokens_in[2:]
+    fla_options = {
+        "use_gate_in_kernel": True,
+        "safe_gate": True,
+        "lower_bound": -5.0,
+        "use_beta_sigmoid_in_kernel": True,
+        "allow_neg_eigval": True,
+        "state_v_first": True,
+        "return_intermediate_states": True,
+    }
+
+    def decode_v_first(q, k, v, g, beta, state_buffer, slot_indices, layer_index):
+        return pallas.decode_kda_slots(
+            q, k, v, g, beta, state_buffer=state_buffer, slot_indices=slot_indices, layer_index=layer_index,
+            state_v_first=True, interpret=False,
+        )  # fmt: skip
+
     return [
         ("chunk", prefill(pallas.chunk_kda, use_qk_l2norm_in_kernel=True), tokens_in + packed),
         ("chunk+gate", prefill(pallas.chunk_kda, use_gate_in_kernel=True), tokens_in + packed + gate),
@@ -76,16 +95,27 @@ def tpu_entry_points(
                 sds((), jnp.int32),
             ],
         ),
+        ("chunk+fla-options", prefill(pallas.chunk_kda, **fla_options), gva_in + packed + gate),
+        (
+            "decode+v-first",
+            jax.jit(decode_v_first, donate_argnums=5),
+            [
+                *decode_in,
+                sds((3, slots, heads, dim, dim), f32),
+                sds((requests,), jnp.int32),
+                sds((), jnp.int32),
+            ],
+        ),
     ]
 
 
-@pytest.mark.parametrize("entry", range(4), ids=[name for name, *_ in tpu_entry_points()])
+@pytest.mark.parametrize("entry", range(6), ids=[name for name, *_ in tpu_entry_points()])
 def test_lowers_for_tpu(entry):
     """Pallas → Mosaic lowering for TPU (`jax.export`, no TPU needed); decode aliases the pool in place."""
     name, fn, args = tpu_entry_points()[entry]
     module = jax.export.export(fn, platforms=["tpu"])(*args).mlir_module()
     assert "tpu_custom_call" in module
-    if name == "decode":
+    if name.startswith("decode"):
         assert "output_operand_aliases" in module  # the pool buffer is the kernel's output, in place
 
 
@@ -118,7 +148,7 @@ def test_compiles_for_tpu(topology: str):
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.count("compiled") == 8, done.stdout
+    assert done.stdout.count("compiled") == 12, done.stdout
 
 
 def compile_for_tpu(topology: str) -> None:

@@ -30,6 +30,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kda_impl.kernels.common import PackedInputs, finite_log_decay, kda_gate
 from kda_impl.kernels.entry import FlaResult, fla_entry
+from kda_impl.kernels.options import GateArrays, validate_chunk_size
 from kda_impl.kernels.pallas.common import (
     chunk_schedule,
     dot,
@@ -39,7 +40,6 @@ from kda_impl.kernels.pallas.common import (
     to_chunks,
 )
 from kda_impl.kernels.pallas.tuning import CHUNK_SIZE, SUB_BLOCK
-from kda_impl.kernels.validation import validate_gate_inputs
 
 
 def _packed_chunk_kda(
@@ -47,27 +47,35 @@ def _packed_chunk_kda(
     *,
     scale: float,
     chunk_size: int,
-    use_gate_in_kernel: bool,
-    A_log: jax.Array | None,  # fla's name
-    dt_bias: jax.Array | None,
+    gate: GateArrays | None,
+    lower_bound: float | None,
+    return_intermediate_states: bool,
     interpret: bool | None,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, ...]:
     """The kernel of `chunk_kda` on the packed batch (`entry.fla_entry`); its g is the raw gate with
-    `use_gate_in_kernel`."""
+    `gate` (A_log [HV], dt_bias [HV, K]), which the kernel applies. Any positive multiple of 16 as
+    `chunk_size` (the public `chunk_kda` takes fla's 32 and 64)."""
     if chunk_size % SUB_BLOCK or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive multiple of {SUB_BLOCK}, got {chunk_size}")
-    heads, key_dim = packed.inputs.q.shape[1:]
-    params = validate_gate_inputs(use_gate_in_kernel, A_log, dt_bias, packed.inputs.g)
-    gate = None if params is None else (params[0].reshape(heads, 1, 1), params[1].reshape(heads, 1, key_dim))
+    heads, key_dim = packed.inputs.g.shape[1:]
+    if gate is not None:
+        gate = (gate[0].reshape(heads, 1, 1), gate[1].reshape(heads, 1, key_dim))
     return _chunk_packed(
         packed._replace(inputs=packed.inputs.scaled(scale)),
         gate,
+        lower_bound=lower_bound,
         chunk_size=chunk_size,
+        intermediate=return_intermediate_states,
         interpret=resolve_interpret(interpret),
     )
 
 
-_CHUNK_KDA = fla_entry(_packed_chunk_kda, static=("chunk_size", "use_gate_in_kernel", "interpret"))
+_CHUNK_KDA = fla_entry(
+    _packed_chunk_kda,
+    static=("chunk_size", "return_intermediate_states", "interpret"),
+    gate_in_kernel=True,
+    chunked=True,
+)
 
 
 def chunk_kda(
@@ -82,25 +90,31 @@ def chunk_kda(
     output_final_state: bool = False,
     cu_seqlens: jax.Array | None = None,
     use_qk_l2norm_in_kernel: bool = False,
-    chunk_size: int = CHUNK_SIZE,
     use_gate_in_kernel: bool = False,
     A_log: jax.Array | None = None,  # fla's name
     dt_bias: jax.Array | None = None,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    transpose_state_layout: bool | None = None,
+    return_intermediate_states: bool = False,
+    chunk_size: int = CHUNK_SIZE,
     interpret: bool | None = None,
 ) -> FlaResult:
     """KDA over whole sequences, chunk by chunk (prefill), as one Pallas kernel.
 
     fla's calling convention: the arguments and the result of `kda_impl.kernels.entry`, then the
-    kernel's own options.
+    kernel's own options. With `use_gate_in_kernel` the kernel computes the decay from the raw g
+    (`-exp(A_log[h]) * softplus(g + dt_bias[h])`, or the lower-bound gate with `lower_bound`).
 
     Args:
-        chunk_size: tokens per chunk, a positive multiple of 16.
-        use_gate_in_kernel: g is the raw gate; the kernel computes the decay
-            `-exp(A_log[h]) * softplus(g + dt_bias[h])`.
-        A_log: `[H]`, with `use_gate_in_kernel` only.
-        dt_bias: `[H, K]` or fla's flat `[H * K]`, optional, with `use_gate_in_kernel` only.
+        return_intermediate_states: also return h, the state entering every chunk (`entry`).
+        chunk_size: tokens per chunk, 32 or 64 as in fla (default `tuning.CHUNK_SIZE`).
         interpret: run the kernel in interpret mode; default: unless the backend is TPU.
     """
+    validate_chunk_size(chunk_size)
     return _CHUNK_KDA(**locals())  # every argument as written above
 
 
@@ -108,10 +122,13 @@ def _chunk_packed(
     packed: PackedInputs,  # q scaled; g the log decay, or the raw gate with `gate`
     gate: tuple[jax.Array, jax.Array] | None,  # A_log [H, 1, 1], dt_bias [H, 1, K]
     *,
+    lower_bound: float | None,
     chunk_size: int,
+    intermediate: bool,
     interpret: bool,
-) -> tuple[jax.Array, jax.Array]:
-    """Lay the packed batch out in chunks, run the kernel, gather o back: `(o [T, H, V], finals)`."""
+) -> tuple[jax.Array, ...]:
+    """Lay the packed batch out in chunks, run the kernel, gather o back: `(o [T, H, V], finals)`, and
+    with `intermediate` the state entering each chunk `[NC, H, K, V]`."""
     heads, key_dim = packed.inputs.q.shape[1:]
     value_dim = packed.inputs.v.shape[-1]
     init = packed.init
@@ -132,25 +149,35 @@ def _chunk_packed(
             pl.BlockSpec((None, 1, key_dim), lambda h, *_: (h, 0, 0)),
         ]
         inputs += list(gate)
-    o_chunks, finals = pl.pallas_call(
-        functools.partial(_chunk_kernel, use_gate_in_kernel=gate is not None),
+    out_specs = [chunk_block(value_dim), state_block]
+    out_shape = [
+        jax.ShapeDtypeStruct((num_chunks, heads, chunk_size, value_dim), jnp.float32),
+        jax.ShapeDtypeStruct(init.shape, jnp.float32),
+    ]
+    if intermediate:  # the state entering each chunk, one [K, V] block per (chunk, head)
+        out_specs.append(pl.BlockSpec((None, None, key_dim, value_dim), lambda h, c, *_: (c, h, 0, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((num_chunks, heads, key_dim, value_dim), jnp.float32))
+    o_chunks, finals, *starts = pl.pallas_call(
+        functools.partial(
+            _chunk_kernel,
+            use_gate_in_kernel=gate is not None,
+            lower_bound=lower_bound,
+            intermediate=intermediate,
+        ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(schedule),
             grid=(heads, num_chunks),
             in_specs=in_specs,
-            out_specs=[chunk_block(value_dim), state_block],
+            out_specs=out_specs,
             scratch_shapes=[pltpu.VMEM((key_dim, value_dim), jnp.float32)],
         ),
-        out_shape=[
-            jax.ShapeDtypeStruct((num_chunks, heads, chunk_size, value_dim), jnp.float32),
-            jax.ShapeDtypeStruct(init.shape, jnp.float32),
-        ],
+        out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
     )(*schedule, *inputs)
     o = o_chunks[layout.slot, :, layout.row]  # [T, H, V]
     # A sequence of length zero owns no chunk: its final state is its initial one.
-    return o, jnp.where(layout.nonempty[:, None, None, None], finals, init)
+    return o, jnp.where(layout.nonempty[:, None, None, None], finals, init), *starts
 
 
 def _chunk_kernel(
@@ -158,28 +185,20 @@ def _chunk_kernel(
     seq_ref: jax.Array,  # i32[NC] sequence of each chunk (used by the index maps)
     first_ref: jax.Array,  # i32[NC] 1 at each sequence's first chunk
     rows_ref: jax.Array,  # i32[NC] valid rows of each chunk
-    # inputs, outputs, scratch (with the gate parameters after the inputs when `use_gate_in_kernel`):
+    # inputs, outputs, scratch (the gate parameters after the inputs with `use_gate_in_kernel`, the
+    # intermediate state after the outputs with `intermediate`):
     #   q, k, g [C, K]; v [C, V]; beta [C, 1]; init [K, V]; (A_log [1, 1], dt_bias [1, K]);
-    #   o [C, V]; final [K, V]; state scratch [K, V]
+    #   o [C, V]; final [K, V]; (start [K, V]); state scratch [K, V]
     *refs: jax.Array,
     use_gate_in_kernel: bool,
+    lower_bound: float | None,
+    intermediate: bool,
 ) -> None:
-    if use_gate_in_kernel:
-        (
-            q_ref,
-            k_ref,
-            v_ref,
-            g_ref,
-            beta_ref,
-            init_ref,
-            a_log_ref,
-            dt_bias_ref,
-            o_ref,
-            final_ref,
-            state_ref,
-        ) = refs
-    else:
-        q_ref, k_ref, v_ref, g_ref, beta_ref, init_ref, o_ref, final_ref, state_ref = refs
+    refs = list(refs)
+    q_ref, k_ref, v_ref, g_ref, beta_ref, init_ref = refs[:6]
+    a_log_ref, dt_bias_ref = refs[6:8] if use_gate_in_kernel else (None, None)
+    o_ref, final_ref, *rest = refs[8 if use_gate_in_kernel else 6 :]
+    start_ref, state_ref = rest if intermediate else (None, *rest)
     chunk = pl.program_id(1)
 
     @pl.when(first_ref[chunk] == 1)
@@ -189,7 +208,7 @@ def _chunk_kernel(
     g = g_ref[...]
     if use_gate_in_kernel:  # padded rows must keep g = 0 so that they leave the state unchanged
         valid = jax.lax.broadcasted_iota(jnp.int32, (g.shape[0], 1), 0) < rows_ref[chunk]
-        g = jnp.where(valid, kda_gate(g, a_log_ref[...], dt_bias_ref[...]), 0.0)
+        g = jnp.where(valid, kda_gate(g, a_log_ref[...], dt_bias_ref[...], lower_bound), 0.0)
     g = finite_log_decay(g)  # g = -inf (a full reset) would make the mask matmuls 0 * -inf = NaN
     q, k, v, beta = q_ref[...], k_ref[...], v_ref[...], beta_ref[...]
 
@@ -200,6 +219,8 @@ def _chunk_kernel(
     u = dot(akk_inverse, v * beta)
     w = dot(akk_inverse, k * gamma * beta)
     start = state_ref[...]
+    if intermediate:
+        start_ref[...] = start
     v_new = u - dot(w, start)  # [C, V]
     o_ref[...] = dot(q * gamma, start) + dot(aqk, v_new)
     chunk_decay = gamma.T[:, -1:]  # [K, 1] Γ_C, the decay of the whole chunk per key channel

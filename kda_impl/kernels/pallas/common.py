@@ -67,6 +67,32 @@ def column_step(
     return state, jnp.sum(q * state, axis=-2, keepdims=True)
 
 
+def pack_rows(
+    q: jax.Array,  # [..., K] scaled queries
+    k: jax.Array,  # [..., K]
+    g: jax.Array,  # [..., K]
+    beta: jax.Array,  # [...]
+) -> jax.Array:
+    """`[..., 4, K]`: each token's q, k, g and beta (repeated along K) as rows, for a v-first `[V, K]`
+    state (`row_step`), whose rows are scaled by k and exp(g) along the lanes."""
+    return jnp.swapaxes(pack_columns(q, k, g, beta), -1, -2)
+
+
+def row_step(
+    state: jax.Array,  # [..., V, K] fp32, v-first
+    rows: jax.Array,  # [..., 4, K] q (scaled), k, g, beta per `pack_rows`
+    v: jax.Array,  # [..., V, 1]
+) -> tuple[jax.Array, jax.Array]:
+    """`column_step` on a v-first state: the same recurrence with K on lanes. Returns (new state
+    [..., V, K], o [..., V, 1])."""
+    q, k, g = rows[..., 0:1, :], rows[..., 1:2, :], rows[..., 2:3, :]
+    beta = rows[..., 3:4, 0:1]
+    state = state * jnp.exp(g)
+    predicted = jnp.sum(k * state, axis=-1, keepdims=True)
+    state = state + (beta * (v - predicted)) * k
+    return state, jnp.sum(q * state, axis=-1, keepdims=True)
+
+
 def chunk_schedule(
     cu_seqlens: jax.Array,  # i32[N + 1]
     tokens: int,

@@ -88,6 +88,15 @@ def fused_recurrent_kda(
     output_final_state: bool = False,
     cu_seqlens: jax.Array | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: jax.Array | None = None,  # fla's name
+    dt_bias: jax.Array | None = None,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    transpose_state_layout: bool | None = None,
     interpret: bool | None = None,
 ) -> FlaResult:
     """KDA as a token recurrence (decode and short prefill), as one Pallas kernel.
