@@ -25,7 +25,6 @@ import numpy as np
 from conformance.adapter import KernelAdapter, LayerAdapter, LayerResult, RawGateKernelAdapter, ServingAdapter
 from conformance.adapters.kda_impl_serving import KDAImplServing
 from kda_impl.kernels import chunk_kda, fused_recurrent_kda
-from kda_impl.kernels.common import kda_gate
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
 from kda_impl.model_executor.forward_batch import (
@@ -286,19 +285,18 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingA
     def _raw_gate_kernel(self, path: str, lower_bound: float | None) -> Callable[..., Any]:
         """The jitted `path` kernel taking the raw gate, `A_log` [H] and `dt_bias` [H·K] (fla's
         `use_gate_in_kernel=True`), for the gate with lower bound `lower_bound` (None: softplus); built
-        once per (path, lower bound).
-
-        kda_impl's `chunk_kda` takes the in-kernel softplus gate; for the lower-bound gate and for
-        `fused_recurrent_kda`, which do not take it in the kernel yet, the gate is computed first, with
-        the kernels' own `kda_gate`, and the kernel fed the log decay."""
+        once per (path, lower bound)."""
         key = (path, lower_bound)
         if key not in self._raw_gate_kernels:
-            if path == "chunk" and lower_bound is None:
-                kernel = functools.partial(chunk_kda, use_gate_in_kernel=True)
-            else:
-                kernel = _gate_first(chunk_kda if path == "chunk" else fused_recurrent_kda, lower_bound)
+            kernel = chunk_kda if path == "chunk" else fused_recurrent_kda
             self._raw_gate_kernels[key] = jax.jit(
-                functools.partial(kernel, output_final_state=True, kernel=self._kernel)
+                functools.partial(
+                    kernel,
+                    use_gate_in_kernel=True,
+                    lower_bound=lower_bound,
+                    output_final_state=True,
+                    kernel=self._kernel,
+                )
             )
         return self._raw_gate_kernels[key]
 
@@ -344,18 +342,6 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingA
         )
         o = np.asarray(o)[0, :tokens].astype(run_dtype)
         return _to_numpy(o), _to_numpy(np.asarray(final)[:num_seqs])
-
-
-def _gate_first(kernel: Callable[..., Any], lower_bound: float | None) -> Callable[..., Any]:
-    """`kernel` with fla's raw-gate arguments: the log decay computed from the raw gate `g_raw`
-    [B, T, H, K], `A_log` [H] and `dt_bias` [H·K] by `kda_gate` (with `lower_bound`) before the call."""
-
-    def call(q, k, v, g_raw, beta, *, A_log, dt_bias, **kwargs):
-        heads, dim = g_raw.shape[-2:]
-        g = kda_gate(g_raw, A_log[:, None], dt_bias.reshape(heads, dim), lower_bound)
-        return kernel(q, k, v, g, beta, **kwargs)
-
-    return call
 
 
 def token_bucket(tokens: int) -> int:
