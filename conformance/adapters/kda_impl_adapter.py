@@ -70,6 +70,8 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, ServingAdapter):
     backend_class: ClassVar[type[KDAAttnBackend]] = KDAAttnBackend
     # The pool class of its serving path (`serving_open`; a defective adapter swaps it).
     serving_pool_class: ClassVar[type[RecurrentStatePool]] = RecurrentStatePool
+    # The scheduler glue of its serving path (a defective adapter swaps it).
+    serving_class: ClassVar[type[KDAImplServing]] = KDAImplServing
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -238,7 +240,7 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, ServingAdapter):
         pool = self.serving_pool_class.create(
             self.config, num_slots, self._run_dtype, layer_ids=(self._layer_idx,), mesh=self._mesh
         )
-        self._serving = KDAImplServing(
+        self._serving = self.serving_class(
             self.config, self._layer_idx, self._run_dtype, self._backend, self._forward, pool, token_bucket
         )
 
@@ -253,6 +255,15 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, ServingAdapter):
 
     def serving_state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         return self._open_serving().state(slot)
+
+    def serving_copy(self, src: int, dst: int) -> None:
+        self._open_serving().copy(src, dst)
+
+    def serving_load(self, slot: int, recurrent: np.ndarray, conv: np.ndarray) -> None:
+        self._open_serving().load(slot, recurrent, conv)
+
+    def serving_accept(self, slot: int, accepted: int) -> None:
+        self._open_serving().accept(slot, accepted)
 
     def _open_serving(self) -> KDAImplServing:
         if self._serving is None:
