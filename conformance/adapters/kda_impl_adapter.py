@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conformance.adapter import KernelAdapter, LayerAdapter, LayerResult, ServingAdapter
-from conformance.adapters.kda_impl_serving import KDAImplServing
+from conformance.adapters.kda_impl_serving import MIN_DRAFT_TOKENS, KDAImplServing
 from kda_impl.kernels import chunk_kda, fused_recurrent_kda
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
@@ -239,7 +239,7 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, ServingAdapter):
             raise NotImplementedError(f"the serving path runs on one data rank; this mesh has dp={dp}")
         pool = self.serving_pool_class.create(
             self.config, num_slots, self._run_dtype, layer_ids=(self._layer_idx,), mesh=self._mesh
-        )
+        ).with_draft_tokens(MIN_DRAFT_TOKENS)  # every forward compiles once with them, a verify's too
         self._serving = self.serving_class(
             self.config, self._layer_idx, self._run_dtype, self._backend, self._forward, pool, token_bucket
         )

@@ -21,6 +21,7 @@ from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
 from kda_impl.model_executor.forward_batch import (
     MIN_REQUEST_BUCKET,
     MIN_TOKEN_BUCKET,
+    ForwardBatch,
     ForwardMode,
     bucket,
     make_forward_batch,
@@ -81,18 +82,7 @@ class KDAImplServing:
         if forward_mode == ForwardMode.TARGET_VERIFY and self.pool.draft_tokens < int(np.max(seq_lens)):
             self._host = None
             self.pool = self.pool.with_draft_tokens(bucket(int(np.max(seq_lens)), MIN_DRAFT_TOKENS))
-        num_reqs = len(seq_lens)
-        min_requests = bucket(num_reqs + padding_rows + 1, MIN_REQUEST_BUCKET)
-        batch = make_forward_batch(
-            self.backend,
-            forward_mode,
-            seq_lens,
-            self.pool.get_recurrent_indices(slots),
-            num_slots=self.pool.num_slots,
-            prefix_lens=prefix_lens,
-            min_tokens=max(self.token_bucket(rows), MIN_TOKEN_BUCKET),
-            min_requests=min_requests,
-        )
+        batch = self.batch(forward_mode, seq_lens, slots, prefix_lens, rows, padding_rows)
         x = np.zeros((batch.num_tokens, self.config.hidden_size), np.float32)
         x[:rows] = hidden_states  # DECODE: the padding requests' one token each; EXTEND: padding tokens
         self._host = None
@@ -102,6 +92,28 @@ class KDAImplServing:
             self.pool = None  # its buffers were donated to the failed call
             raise
         return np.asarray(out)[:rows].astype(np.float32)  # sliced on the host: no compile per row count
+
+    def batch(
+        self,
+        forward_mode: ForwardMode,
+        seq_lens: np.ndarray,  # [N]
+        slots: np.ndarray,  # [N]
+        prefix_lens: np.ndarray,  # [N]
+        rows: int,
+        padding_rows: int,
+    ) -> ForwardBatch:
+        """The padded batch of N requests and `padding_rows` (`rows` in all), as the engine builds it."""
+        min_requests = bucket(len(seq_lens) + padding_rows + 1, MIN_REQUEST_BUCKET)
+        return make_forward_batch(
+            self.backend,
+            forward_mode,
+            seq_lens,
+            self.pool.get_recurrent_indices(slots),
+            num_slots=self.pool.num_slots,
+            prefix_lens=prefix_lens,
+            min_tokens=max(self.token_bucket(rows), MIN_TOKEN_BUCKET),
+            min_requests=min_requests,
+        )
 
     def copy(self, src: int, dst: int) -> None:
         self._host = None

@@ -182,6 +182,8 @@ class Forward(Event):
         if len(set(names)) != len(names):
             raise ValueError(f"a request appears twice in one batch: {names}")
         for name, tokens in self.requests:
+            if name not in book.holding:
+                raise ValueError(f"request {name!r} holds no slot (alloc it first)")
             book.check_running(name, "a forward of request")
             if not isinstance(tokens, int) or tokens < 1 or (self.mode == "decode" and tokens != 1):
                 raise ValueError(f"request {name!r} has {tokens!r} tokens; extend needs >= 1, decode 1")

@@ -235,7 +235,7 @@ def _optional_verb_scenarios() -> dict[str, list[Event]]:
         ],
         "poisoned-slots": [
             *alloc(*poisons),
-            *(Poison(name, "nan" if n % 2 else "1e30") for n, name in enumerate(poisons)),
+            *(Poison(name, "1e30" if n % 2 else "nan") for n, name in enumerate(poisons)),  # the last: 1e30
             *free(*reversed(poisons)),  # a last-in-first-out pool hands the first slots out again
             *alloc("a", "b"),
             extend(("a", 9), ("b", 5), padding_rows=3),
