@@ -22,7 +22,7 @@ MIXED_CHUNK_EVIDENCE = (
     "serving-permuted-slots",
 )
 # Those that verify speculative decoding's TARGET_VERIFY batches and accepts.
-SPECULATIVE_EVIDENCE = ("serving-verify-accept", "serving-poisoned-slots")
+SPECULATIVE_EVIDENCE = ("serving-verify-handoff", "serving-poisoned-slots")
 
 
 @dataclasses.dataclass(frozen=True)
