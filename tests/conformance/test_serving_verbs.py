@@ -40,7 +40,9 @@ SHORT = {
         *alloc("v", "w"), extend(("v", 5), ("w", 3)), verify(("v", 3), ("w", 2), padding_rows=1),
         Accept("v", 2), Accept("w", 0), decode("v", "w"),
     ],
-    "handoff": [*alloc("a", "b"), extend(("a", 6), ("b", 2)), Handoff(("b", "a")), decode("a"), decode("a", "b")],
+    "handoff": [
+        *alloc("a", "b"), extend(("a", 6), ("b", 2)), Handoff(("b", "a")), decode("a"), decode("a", "b"),
+    ],
     "poison": [
         *alloc("x0", "x1", "x2", "x3"),
         Poison("x0", "nan"), Poison("x1", "1e30"), Poison("x2", "nan"), Poison("x3", "1e30"),
