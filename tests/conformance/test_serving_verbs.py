@@ -5,6 +5,7 @@ scenarios that need it skipped with the reason. The fixed scenarios of the verbs
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from conformance.adapter import ServingAdapter, provided_calls
@@ -24,10 +25,11 @@ from conformance.checks.serving_events import (
     free,
     verify,
 )
-from conformance.checks.serving_scenarios import Scenario
+from conformance.checks.serving_invariance import batch_invariance, invariance_scenarios
+from conformance.checks.serving_scenarios import Scenario, load_scenarios
 from conformance.dumps.reader import DumpSet
 from conformance.policy import TolerancePolicy
-from tests.conformance.test_serving import GOLDEN
+from tests.conformance.test_serving import GOLDEN, _search
 
 SLOTS = 4
 SHORT = {
@@ -117,3 +119,29 @@ def test_an_adapter_without_a_verb_has_the_scenarios_that_need_it_skipped_with_t
         ("verify", "serving_accept"),
     ):
         assert found[f"serving-short-{scenario}"] == reason.format(scenario, verb), found
+
+
+def test_batch_invariance_is_measured_and_reported_not_gated(capsys):
+    runner = CheckRunner(DumpSet(str(GOLDEN)), KDAImplAdapter, "auto", TolerancePolicy.load())
+    serving = ServingChecks(runner, list(invariance_scenarios(SLOTS)), "invariance")
+    measured = batch_invariance(serving, "fp32")
+    print(measured.describe())
+    assert measured.tokens == 4 and 0 <= measured.identical <= 4 and np.isfinite(measured.max_abs)
+    assert measured.bit_identical == (measured.max_abs == 0.0)
+    assert "batch invariance: " in capsys.readouterr().out
+    # whatever the bits, each schedule is correct within the gates
+    assert all(
+        serving.run(spec).comparison.passed
+        for spec in serving.plan(["fp32"])
+        if "untouched" not in spec.check
+    )
+
+
+def test_a_short_search_of_the_verbs_finds_a_seeded_defect_and_writes_a_replayable_schedule(tmp_path):
+    code, report = _search(
+        tmp_path, serving_defects.AcceptForgetsConvShift, budget_s=120.0, shrink_budget_s=20.0
+    )
+    assert code == 1 and report["found"], report
+    (found,) = load_scenarios(tmp_path / "scenarios.json")
+    assert any(isinstance(event, Accept) and event.accepted for event in found.events), found
+    assert "--scenarios" in report["found"]["replay"]
