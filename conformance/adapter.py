@@ -339,12 +339,12 @@ def unprovided(adapter_class: type[KDAAdapter], calls: Iterable[str]) -> str | N
     missing = [
         f"no {protocol.__name__.removesuffix('Adapter').lower()} protocol ({__name__}.{protocol.__name__})"
         for protocol in PROTOCOLS
-        if wanted & set(protocol_calls(protocol))
+        if not issubclass(adapter_class, protocol)
+        and wanted
+        & {*protocol_calls(protocol), *(OPTIONAL_SERVING_CALLS if protocol is ServingAdapter else ())}
     ]
     verbs = [call for call in OPTIONAL_SERVING_CALLS if call in wanted]
-    if verbs and ServingAdapter not in [p for p in PROTOCOLS if issubclass(adapter_class, p)]:
-        verbs = []  # named with the serving protocol already
-    if verbs:
+    if verbs and issubclass(adapter_class, ServingAdapter):  # else named with the serving protocol
         missing.append(
             f"no {', '.join(verbs)} (optional verb(s) of the serving protocol, {__name__}.ServingAdapter)"
         )
