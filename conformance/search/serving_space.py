@@ -13,7 +13,7 @@ that still fail.
 With the serving protocol's optional verbs (those the adapter provides, `VERB_ACTIONS`), four more:
 a snapshot (a request's states copied into a new snapshot slot, at the boundary its prefill's chunks
 end at), a hit (a new request copies a snapshot and continues with a prompt of its own), a verify (the
-running requests verify k draft tokens each and accept a drawn number of them, 0..k) and a handoff
+started requests verify k draft tokens each and accept a drawn number of them, 0..k) and a handoff
 (every request exported into a fresh pool). Snapshots hold their slot and are never scheduled.
 """
 
@@ -68,7 +68,9 @@ def schedule_strategy(max_tokens: int, verbs: Collection[str] = ()) -> st.Search
         "handoff": st.tuples(st.just("handoff")),
     }
     drawn = [strategy for action, strategy in choices.items() if VERB_ACTIONS[action] in verbs]
-    actions = st.lists(st.one_of(arrive, step, finish, *drawn), min_size=1, max_size=MAX_ACTIONS)
+    # A verb's action needs a request that has started: steps are drawn as often as all of them.
+    steps = [step] * max(1, len(drawn))
+    actions = st.lists(st.one_of(arrive, *steps, finish, *drawn), min_size=1, max_size=MAX_ACTIONS)
     return st.builds(schedule, st.sampled_from(POOL_SIZES), actions)
 
 
@@ -82,6 +84,7 @@ def schedule(num_slots: int, actions: list[tuple[Any, ...]]) -> Scenario:
     for action in actions:
         kind = action[0]
         running = [name for name, tokens in _left(book, prompts).items() if tokens <= 0]
+        started = [name for name in _left(book, prompts) if book.processed[name]]
         if kind == "arrive":
             for prompt in action[1][: book.free_slots]:
                 name = f"q{len(book.processed)}"
@@ -96,7 +99,6 @@ def schedule(num_slots: int, actions: list[tuple[Any, ...]]) -> Scenario:
             if forward is not None:
                 book.play(forward)
         elif kind == "snapshot" and book.free_slots:
-            started = [name for name in _left(book, prompts) if book.processed[name]]
             if started:
                 snapshot = f"s{len(book.processed)}"
                 book.play_all([Alloc(snapshot), Copy(started[action[1] % len(started)], snapshot)])
@@ -107,10 +109,10 @@ def schedule(num_slots: int, actions: list[tuple[Any, ...]]) -> Scenario:
                 source, name = held[action[1] % len(held)], f"q{len(book.processed)}"
                 book.play_all([Alloc(name), Copy(source, name)])
                 prompts[name] = book.processed[source] + action[2]
-        elif kind == "verify" and running:
+        elif kind == "verify" and started:
             drafts, accepted, padding_rows = action[1:]
-            book.play(Verify(tuple((name, drafts) for name in running), padding_rows))
-            book.play_all(Accept(name, (accepted + i) % (drafts + 1)) for i, name in enumerate(running))
+            book.play(Verify(tuple((name, drafts) for name in started), padding_rows))
+            book.play_all(Accept(name, (accepted + i) % (drafts + 1)) for i, name in enumerate(started))
         elif kind == "handoff" and book.holding:
             book.play(Handoff(tuple(reversed(book.holding))))
     return Scenario(SEARCHED, num_slots, tuple(book.events))
