@@ -72,7 +72,7 @@ class ServingChecks:
         scenario = self.scenarios[spec.of.arg]
         reason = unprovided(self.runner.calls.adapter_class, scenario.calls)
         if reason is not None:
-            raise CheckSkipped(f"scenario {scenario.name!r} needs a call the adapter lacks: {reason}")
+            raise CheckSkipped(reason)
         return _RESULTS[spec.kind](self, scenario, spec)
 
     def requests_alone(self, scenario: Scenario, dtype: str) -> tuple[list[str], list[LayerResult], CaseData]:
