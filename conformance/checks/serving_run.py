@@ -226,7 +226,7 @@ class ScenarioDriver:
         return np.split(out[:real], np.cumsum(lens)[:-1])
 
     def watched_call(
-        self, method: str, arguments: dict[str, object], watched: list[str], validate: Validator = None
+        self, method: str, arguments: dict[str, object], watched: list[str], validate: Validator | None = None
     ) -> object:
         """`method` called (its result through `validate`, or none) with the states of the requests
         `watched` and the bits of the poisoned slots read before and after it (`ServingRun`)."""
