@@ -138,7 +138,7 @@ def test_batch_invariance_is_measured_and_reported_not_gated(capsys):
 
 def test_a_short_search_of_the_verbs_finds_a_seeded_defect_and_writes_a_replayable_schedule(tmp_path):
     code, report = _search(
-        tmp_path, serving_defects.AcceptForgetsConvShift, budget_s=120.0, shrink_budget_s=20.0
+        tmp_path, serving_defects.AcceptForgetsConvShift, budget_s=120.0, shrink_budget_s=5.0
     )
     assert code == 1 and report["found"], report
     (found,) = load_scenarios(tmp_path / "scenarios.json")
