@@ -310,7 +310,7 @@ def _search(
 
 def test_the_serving_search_finds_a_seeded_defect_and_writes_a_replayable_shrunk_schedule(tmp_path):
     code, report = _search(
-        tmp_path, serving_defects.OneTokenSegmentAsNew, budget_s=90.0, shrink_budget_s=60.0
+        tmp_path, serving_defects.OneTokenSegmentAsNew, budget_s=150.0, shrink_budget_s=60.0
     )
     assert code == 1 and report["found"], report
     (found,) = load_scenarios(tmp_path / "scenarios.json")
