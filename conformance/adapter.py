@@ -9,7 +9,10 @@ defines every method of each protocol it declares:
 - `RawGateKernelAdapter` (optional): `chunk_kernel_raw_gate`, `recurrent_kernel_raw_gate` — the
   `kernel-*-rawgate[-state]` checks: the kernels computing the gate from its pre-activation input;
 - `ServingAdapter`: `serving_open`, `serving_alloc`, `serving_free`, `serving_forward`, `serving_state`
-  — the `serving-*` checks (those that compare a request with its run alone need the layer too).
+  — the `serving-*` checks (those that compare a request with its run alone need the layer too) —
+  and its optional verbs `serving_copy`, `serving_load`, `serving_accept` (with a forward of mode
+  "verify"), each provided by defining it: a scenario that needs one the class does not define is skipped
+  with that reason (`OPTIONAL_SERVING_CALLS`).
 
 So `class Mine(LayerAdapter, KernelAdapter)`, and a kernel-only implementation is `class
 Mine(KernelAdapter)`. What a class provides is decided from the class alone (`provided_calls`), when the
@@ -322,6 +325,33 @@ class ServingAdapter(KDAAdapter, abc.ABC):
         """The states `slot` holds now: (recurrent [H, K, V] float32, conv [W-1, 3P] float32: the
         last W-1 inputs of the q | k | v short convs, in the run dtype's values)."""
 
+    # --- optional verbs: an adapter provides one by defining it (`provided_calls`) --------------------
+
+    def serving_copy(self, src: int, dst: int) -> None:
+        """Give `dst` (a slot allocated for a new request) `src`'s recurrent and conv states: a prefix
+        cache hit's copy-on-write of a snapshot. `src` keeps its states."""
+        raise NotImplementedError(_optional_verb(self, "serving_copy"))
+
+    def serving_load(self, slot: int, recurrent: np.ndarray, conv: np.ndarray) -> None:
+        """Write `slot`'s states (the import of a disaggregated prefill: `serving_state` is the export):
+        recurrent [H, K, V] float32, conv [W-1, 3P] float32 as `serving_state` returns them."""
+        raise NotImplementedError(_optional_verb(self, "serving_load"))
+
+    def serving_accept(self, slot: int, accepted: int) -> None:
+        """Keep `slot`'s states after the first `accepted` draft tokens of its last verify forward
+        (`serving_forward(mode="verify")`: each request's draft tokens from its slot's states, an output
+        for every draft token, the slot unchanged until this call), its conv window included; 0 keeps
+        the states from before the verify. An adapter that defines it serves mode "verify"."""
+        raise NotImplementedError(_optional_verb(self, "serving_accept"))
+
+
+#: The serving protocol's optional verbs: provided by an adapter class that defines them.
+OPTIONAL_SERVING_CALLS = ("serving_copy", "serving_load", "serving_accept")
+
+
+def _optional_verb(adapter: KDAAdapter, call: str) -> str:
+    return f"adapter {adapter.name!r} does not define {call} (an optional verb of {__name__}.ServingAdapter)"
+
 
 #: The protocols, in the order reasons name them; a protocol `FooBarAdapter` is named "foo-bar".
 PROTOCOLS: tuple[type[KDAAdapter], ...] = (LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingAdapter)
@@ -340,25 +370,40 @@ def protocol_calls(protocol: type[KDAAdapter]) -> tuple[str, ...]:
 
 
 def provided_calls(adapter_class: type[KDAAdapter]) -> frozenset[str]:
-    """The adapter methods a class provides: the calls of every protocol it declares (subclasses)."""
-    return frozenset(
+    """The adapter methods a class provides: the calls of every protocol it declares (subclasses), and
+    the optional serving verbs it defines (overrides)."""
+    declared = {
         call
         for protocol in PROTOCOLS
         if issubclass(adapter_class, protocol)
         for call in protocol_calls(protocol)
-    )
+    }
+    optional = {
+        call
+        for call in OPTIONAL_SERVING_CALLS
+        if issubclass(adapter_class, ServingAdapter)
+        and getattr(adapter_class, call) is not getattr(ServingAdapter, call)
+    }
+    return frozenset(declared | optional)
 
 
 def unprovided(adapter_class: type[KDAAdapter], calls: Iterable[str]) -> str | None:
     """Why an adapter of this class cannot make `calls`: each protocol of theirs it does not declare,
-    named (`adapter 'x' implements no layer protocol (conformance.adapter.LayerAdapter)`); None when it
-    provides them all."""
+    named (`adapter 'x' implements no layer protocol (conformance.adapter.LayerAdapter)`), then each
+    optional serving verb it does not define; None when it provides them all."""
     wanted = set(calls) - provided_calls(adapter_class)
     missing = [
         f"no {protocol_name(protocol)} protocol ({__name__}.{protocol.__name__})"
         for protocol in PROTOCOLS
-        if wanted & set(protocol_calls(protocol))
+        if not issubclass(adapter_class, protocol)
+        and wanted
+        & {*protocol_calls(protocol), *(OPTIONAL_SERVING_CALLS if protocol is ServingAdapter else ())}
     ]
+    verbs = [call for call in OPTIONAL_SERVING_CALLS if call in wanted]
+    if verbs and issubclass(adapter_class, ServingAdapter):  # else named with the serving protocol
+        missing.append(
+            f"no {', '.join(verbs)} (optional verb(s) of the serving protocol, {__name__}.ServingAdapter)"
+        )
     return f"adapter {adapter_class.name!r} implements {' and '.join(missing)}" if missing else None
 
 

@@ -21,6 +21,8 @@ MIXED_CHUNK_EVIDENCE = (
     "serving-chunked-interleaved",
     "serving-permuted-slots",
 )
+# Those that verify speculative decoding's TARGET_VERIFY batches and accepts.
+SPECULATIVE_EVIDENCE = ("serving-verify-handoff", "serving-poisoned-slots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +34,9 @@ class ServerArgs:
         recurrent and conv states, new requests from zeros, as the scenarios `MIXED_CHUNK_EVIDENCE`
         verify on every `conformance run`.
     speculative_algorithm: speculative decoding (`EAGLE`, `NGRAM`, ...; None: off). The target model
-        then checks each step's draft tokens in a TARGET_VERIFY batch, which the KDA backend refuses.
+        then checks each step's draft tokens in a TARGET_VERIFY batch. Served: the backend steps each
+        request's drafts from its slot into the pool's draft buffers and leaves the slot as it was until
+        `RecurrentStatePool.accept_drafts`, as the scenarios `SPECULATIVE_EVIDENCE` verify.
     """
 
     enable_mixed_chunk: bool = False

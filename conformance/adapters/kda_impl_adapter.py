@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conformance.adapter import KernelAdapter, LayerAdapter, LayerResult, RawGateKernelAdapter, ServingAdapter
-from conformance.adapters.kda_impl_serving import KDAImplServing
+from conformance.adapters.kda_impl_serving import MIN_DRAFT_TOKENS, KDAImplServing
 from kda_impl.kernels import chunk_kda, fused_recurrent_kda
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
@@ -70,6 +70,8 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingA
     backend_class: ClassVar[type[KDAAttnBackend]] = KDAAttnBackend
     # The pool class of its serving path (`serving_open`; a defective adapter swaps it).
     serving_pool_class: ClassVar[type[RecurrentStatePool]] = RecurrentStatePool
+    # The scheduler glue of its serving path (a defective adapter swaps it).
+    serving_class: ClassVar[type[KDAImplServing]] = KDAImplServing
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -238,8 +240,8 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingA
             raise NotImplementedError(f"the serving path runs on one data rank; this mesh has dp={dp}")
         pool = self.serving_pool_class.create(
             self.config, num_slots, self._run_dtype, layer_ids=(self._layer_idx,), mesh=self._mesh
-        )
-        self._serving = KDAImplServing(
+        ).with_draft_tokens(MIN_DRAFT_TOKENS)  # every forward compiles once with them, a verify's too
+        self._serving = self.serving_class(
             self.config, self._layer_idx, self._run_dtype, self._backend, self._forward, pool, token_bucket
         )
 
@@ -254,6 +256,15 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingA
 
     def serving_state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         return self._open_serving().state(slot)
+
+    def serving_copy(self, src: int, dst: int) -> None:
+        self._open_serving().copy(src, dst)
+
+    def serving_load(self, slot: int, recurrent: np.ndarray, conv: np.ndarray) -> None:
+        self._open_serving().load(slot, recurrent, conv)
+
+    def serving_accept(self, slot: int, accepted: int) -> None:
+        self._open_serving().accept(slot, accepted)
 
     def _open_serving(self) -> KDAImplServing:
         if self._serving is None:

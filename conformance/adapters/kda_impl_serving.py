@@ -2,9 +2,11 @@
 
 One `RecurrentStatePool` of S slots (`serving_open`), the adapter's jitted layer forward
 (`KimiDeltaAttention` → `RadixLinearAttention` → the adapter's `backend_class`), and
-`make_forward_batch` for each scheduled EXTEND or DECODE batch, padded to its buckets as the engine pads
-one; the suite's padding rows fill the batch's padding rows (the dummy slot 0). Nothing else beside it:
-the slots are the pool's own, a new request's zero states are the ones its `alloc` gives.
+`make_forward_batch` for each scheduled EXTEND, DECODE or TARGET_VERIFY batch, padded to its buckets as
+the engine pads one; the suite's padding rows fill the batch's padding rows (the dummy slot 0). Nothing
+else beside it: the slots are the pool's own, a new request's zero states are the ones its `alloc` gives,
+a copy is the pool's `copy_slots`, a load its `load_slot`, an accept its `accept_drafts` (each jitted
+with the pool's buffers donated), and a verify runs with draft buffers of a power of two >= its drafts.
 """
 
 from __future__ import annotations
@@ -19,13 +21,19 @@ from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
 from kda_impl.model_executor.forward_batch import (
     MIN_REQUEST_BUCKET,
     MIN_TOKEN_BUCKET,
+    ForwardBatch,
     ForwardMode,
     bucket,
     make_forward_batch,
 )
 from kda_spec.config import KDAConfig
 
-SERVING_MODES = {"extend": ForwardMode.EXTEND, "decode": ForwardMode.DECODE}
+SERVING_MODES = {
+    "extend": ForwardMode.EXTEND,
+    "decode": ForwardMode.DECODE,
+    "verify": ForwardMode.TARGET_VERIFY,
+}
+MIN_DRAFT_TOKENS = 4  # the smallest draft buffers a verify opens (one compilation per power of two)
 
 
 class KDAImplServing:
@@ -71,18 +79,10 @@ class KDAImplServing:
             raise ValueError(
                 f"hidden_states has {rows} rows; the batch has {real} tokens and {padding_rows} padding rows"
             )
-        num_reqs = len(seq_lens)
-        min_requests = bucket(num_reqs + padding_rows + 1, MIN_REQUEST_BUCKET)
-        batch = make_forward_batch(
-            self.backend,
-            forward_mode,
-            seq_lens,
-            self.pool.get_recurrent_indices(slots),
-            num_slots=self.pool.num_slots,
-            prefix_lens=prefix_lens,
-            min_tokens=max(self.token_bucket(rows), MIN_TOKEN_BUCKET),
-            min_requests=min_requests,
-        )
+        if forward_mode == ForwardMode.TARGET_VERIFY and self.pool.draft_tokens < int(np.max(seq_lens)):
+            self._host = None
+            self.pool = self.pool.with_draft_tokens(bucket(int(np.max(seq_lens)), MIN_DRAFT_TOKENS))
+        batch = self.batch(forward_mode, seq_lens, slots, prefix_lens, rows, padding_rows)
         x = np.zeros((batch.num_tokens, self.config.hidden_size), np.float32)
         x[:rows] = hidden_states  # DECODE: the padding requests' one token each; EXTEND: padding tokens
         self._host = None
@@ -92,6 +92,42 @@ class KDAImplServing:
             self.pool = None  # its buffers were donated to the failed call
             raise
         return np.asarray(out)[:rows].astype(np.float32)  # sliced on the host: no compile per row count
+
+    def batch(
+        self,
+        forward_mode: ForwardMode,
+        seq_lens: np.ndarray,  # [N]
+        slots: np.ndarray,  # [N]
+        prefix_lens: np.ndarray,  # [N]
+        rows: int,
+        padding_rows: int,
+    ) -> ForwardBatch:
+        """The padded batch of N requests and `padding_rows` (`rows` in all), as the engine builds it."""
+        min_requests = bucket(len(seq_lens) + padding_rows + 1, MIN_REQUEST_BUCKET)
+        return make_forward_batch(
+            self.backend,
+            forward_mode,
+            seq_lens,
+            self.pool.get_recurrent_indices(slots),
+            num_slots=self.pool.num_slots,
+            prefix_lens=prefix_lens,
+            min_tokens=max(self.token_bucket(rows), MIN_TOKEN_BUCKET),
+            min_requests=min_requests,
+        )
+
+    def copy(self, src: int, dst: int) -> None:
+        self._host = None
+        self.pool = self.pool.copy_slots([src], [dst])
+
+    def load(self, slot: int, recurrent: np.ndarray, conv: np.ndarray) -> None:
+        """`slot`'s states from recurrent [H, D, D] and conv [W-1, 3P] (float32, cast to the pool's)."""
+        self._host = None
+        conv = np.asarray(conv).reshape(1, self.config.conv_size - 1, 3, -1)
+        self.pool = self.pool.load_slot(slot, np.asarray(recurrent)[None], conv)
+
+    def accept(self, slot: int, accepted: int) -> None:
+        self._host = None
+        self.pool = self.pool.accept_drafts([slot], [accepted])
 
     def state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """(recurrent [H, D, D], conv [W-1, 3P]) of `slot`, float32."""

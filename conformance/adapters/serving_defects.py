@@ -16,7 +16,19 @@ per-case checks run the same layer as the built-in one; the serving scenarios ca
 
 The per-case checks never schedule a running request's token beside a prefill, never reuse a slot
 without writing its starting state, and never read a slot outside their batch, so every one of these
-passes them.
+passes them. Four more are bugs of the serving protocol's optional verbs (a `serving_class` swap: the
+scheduler glue, or the pool's accept), which every check before them passes, since none copies, loads,
+verifies or reads a free slot; the scenarios of those verbs catch each:
+
+- `SnapshotAfterPartialChunk`: a copy from a request is published after that request's next forward
+  (the state after the next, partial chunk: 130 tokens instead of the boundary's 128).
+- `AcceptForgetsConvShift`: an accept keeps the recurrent state after the accepted drafts but leaves
+  the conv window where it was before the verify.
+- `HandoffRepeatsLastToken`: the decode side of a handoff runs the last prefill token again on the
+  states it imported (which already hold it).
+- `PaddingWrapsToLastSlot`: the first padding request's slot index -1 wraps to the pool's last slot
+  when that slot is free, and writes it (free slots are cleared when allocated, so only a check that
+  reads a free slot sees it).
 """
 
 from __future__ import annotations
@@ -28,11 +40,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
+from conformance.adapters.kda_impl_serving import KDAImplServing
 from kda_impl.kernels.slots import DUMMY_SLOT
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.layers.short_conv import short_conv_with_state
-from kda_impl.mem_cache.recurrent_state_pool import CONV_SPEC, RECURRENT_SPEC, RecurrentStatePool
-from kda_impl.model_executor.forward_batch import ForwardMode
+from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
+from kda_impl.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from kda_impl.layers.radix_linear_attention import RadixLinearAttention
@@ -48,13 +61,6 @@ class UnclearedPool(RecurrentStatePool):
 
     def alloc(self, n: int, dp_rank: int = 0) -> np.ndarray:
         return self._allocator(dp_rank).alloc(n)
-
-    def replace(self, **buffers: jax.Array) -> UnclearedPool:
-        pool = super().replace(**buffers)
-        return UnclearedPool(pool.recurrent_buffer, pool.conv_buffer, self.layer_ids, self.allocators)
-
-    def partition_specs(self) -> UnclearedPool:
-        return UnclearedPool(RECURRENT_SPEC, CONV_SPEC, self.layer_ids, self.allocators)
 
 
 class StaleRecycledSlot(KDAImplAdapter):
@@ -199,10 +205,125 @@ class PaddingWritesSlot(KDAImplAdapter):
     backend_class = PaddingWritesBackend
 
 
+# ------------------------------------------------------------------------ the optional verbs' defects
+
+
+class DeferredSnapshotServing(KDAImplServing):
+    """Copies published late: after the source's next forward, or before anything else uses them."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.pending: list[tuple[int, int]] = []  # (src, dst) slots
+
+    def publish(self, ready: list[tuple[int, int]]) -> None:
+        self.pending = [pair for pair in self.pending if pair not in ready]
+        for src, dst in ready:
+            super().copy(src, dst)
+
+    def copy(self, src: int, dst: int) -> None:
+        self.publish([pair for pair in self.pending if src in pair or dst in pair])
+        self.pending.append((src, dst))
+
+    def run(self, mode: str, hidden_states, seq_lens, slots, prefix_lens, padding_rows) -> np.ndarray:
+        self.publish([pair for pair in self.pending if pair[1] in slots])
+        out = super().run(mode, hidden_states, seq_lens, slots, prefix_lens, padding_rows)
+        self.publish([pair for pair in self.pending if pair[0] in slots])
+        return out
+
+    def free(self, slot: int) -> None:
+        self.publish([pair for pair in self.pending if slot in pair])
+        super().free(slot)
+
+
+class SnapshotAfterPartialChunk(KDAImplAdapter):
+    name = "kda_impl with a snapshot published after the next chunk instead of at the boundary"
+    serving_class = DeferredSnapshotServing
+
+
+@jax.tree_util.register_pytree_node_class
+class ConvKeepingPool(RecurrentStatePool):
+    """A pool whose `accept_drafts` keeps the recurrent state after the accepted drafts, the conv
+    window from before the verify."""
+
+    def accept_drafts(self, slots: Any, accepted: Any, dp_rank: int = 0) -> ConvKeepingPool:
+        conv = jnp.array(self.conv_buffer, copy=True)  # the accept donates the buffer
+        return super().accept_drafts(slots, accepted, dp_rank).replace(conv_buffer=conv)
+
+
+class AcceptForgetsConvShift(KDAImplAdapter):
+    name = "kda_impl with an accept that keeps the conv window of before the verify"
+    serving_pool_class = ConvKeepingPool
+
+
+class LastTokenShippingServing(KDAImplServing):
+    """Each export (`state`) ships the slot's last token and its position beside the states
+    (`shipped`, kept across pools by the adapter); a load of shipped states runs that token again."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.last: dict[int, tuple[np.ndarray, int]] = {}  # slot -> (hidden [hidden], tokens processed)
+        self.shipped: dict[bytes, tuple[np.ndarray, int]] = {}
+
+    def run(self, mode: str, hidden_states, seq_lens, slots, prefix_lens, padding_rows) -> np.ndarray:
+        out = super().run(mode, hidden_states, seq_lens, slots, prefix_lens, padding_rows)
+        ends = np.cumsum(seq_lens)
+        for slot, end, prefix, n in zip(slots.tolist(), ends.tolist(), prefix_lens, seq_lens):
+            self.last[slot] = (hidden_states[end - 1], int(prefix + n))
+        return out
+
+    def state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        recurrent, conv = super().state(slot)
+        if slot in self.last:
+            self.shipped[recurrent.tobytes()] = self.last[slot]
+        return recurrent, conv
+
+    def load(self, slot: int, recurrent: np.ndarray, conv: np.ndarray) -> None:
+        super().load(slot, recurrent, conv)
+        shipped = self.shipped.get(np.asarray(recurrent, np.float32).tobytes())
+        if shipped is not None:
+            token, processed = shipped
+            one = np.ones(1, np.int64)
+            self.run("extend", token[None], one, np.array([slot]), np.array([processed - 1]), 0)
+
+
+class HandoffRepeatsLastToken(KDAImplAdapter):
+    name = "kda_impl with a handoff whose decode side runs the last prefill token again"
+    serving_class = LastTokenShippingServing
+
+    def serving_open(self, num_slots: int) -> None:
+        shipped = self._serving.shipped if isinstance(self._serving, LastTokenShippingServing) else {}
+        super().serving_open(num_slots)
+        self._serving.shipped.update(shipped)
+
+
+class WrappedPaddingServing(KDAImplServing):
+    """Batches whose first padding request runs on the pool's last slot (index -1) when it is free."""
+
+    def batch(self, forward_mode, seq_lens, slots, prefix_lens, rows, padding_rows) -> ForwardBatch:
+        batch = super().batch(forward_mode, seq_lens, slots, prefix_lens, rows, padding_rows)
+        last = self.pool.num_slots
+        if self.pool.allocators[0].is_allocated(last):
+            return batch
+        metadata = batch.attn_backend.forward_metadata
+        indices = np.array(metadata.recurrent_indices)
+        indices[len(seq_lens)] = last  # the first padding request
+        moved = type(metadata)(cu_q_lens=metadata.cu_q_lens, recurrent_indices=jnp.asarray(indices))
+        return batch.replace(attn_backend=batch.attn_backend.with_forward_metadata(moved))
+
+
+class PaddingWrapsToLastSlot(KDAImplAdapter):
+    name = "kda_impl with a padding index that wraps to the last slot when it is free"
+    serving_class = WrappedPaddingServing
+
+
 SERVING_DEFECTS = (
     StaleRecycledSlot,
     OneTokenSegmentAsNew,
     OneTokenConvLookbackZeros,
     ShiftedDecodeSlots,
     PaddingWritesSlot,
+    SnapshotAfterPartialChunk,
+    AcceptForgetsConvShift,
+    HandoffRepeatsLastToken,
+    PaddingWrapsToLastSlot,
 )

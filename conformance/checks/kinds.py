@@ -179,6 +179,10 @@ SERVING_UNTOUCHED = CheckKind(
     no_truth="bit-exact: no float64 truth applies", contract=False,
 )  # fmt: skip
 SERVING_IDENTICAL = dataclasses.replace(SERVING_UNTOUCHED, pattern="serving-{arg}-identical", result="out")
+# to the bit: the poisoned slots (NaN, 1e30; held or free) around every call that runs on the pool.
+SERVING_POISONED = dataclasses.replace(
+    SERVING_UNTOUCHED, pattern="serving-{arg}-poisoned", result="slot bits"
+)
 
 KINDS = (
     LAYER,
@@ -203,6 +207,7 @@ KINDS = (
     SERVING_CONV,
     SERVING_UNTOUCHED,
     SERVING_IDENTICAL,
+    SERVING_POISONED,
 )
 KERNEL_KINDS = (KERNEL_CHUNK, KERNEL_CHUNK_STATE, KERNEL_RECURRENT, KERNEL_RECURRENT_STATE)
 RAW_GATE_KERNEL_KINDS = (

@@ -10,7 +10,11 @@ scenario file's stem):
   it: the absolute gate);
 - `serving-<s>-untouched`: every slot holding a request outside a batch, before and after that
   forward: equal to the bit;
-- `serving-<s>-identical` (a scenario `same_as` another): its outputs and the other's, equal to the bit.
+- `serving-<s>-identical` (a scenario `same_as` another): its outputs and the other's, equal to the bit;
+- `serving-<s>-poisoned` (a scenario that poisons slots): the poisoned slots' states (NaN, 1e30, held or
+  free) around every call that runs on the pool: the same bits.
+A scenario that needs an optional verb of the serving protocol the adapter does not define skips every
+check of it with that reason (`unprovided`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.adapter import LayerResult
+from conformance.adapter import LayerResult, unprovided
 from conformance.checks import kinds
 from conformance.checks.catalogue import CheckSkipped, CheckSpec
 from conformance.checks.kinds import Check, CheckKind
@@ -58,13 +62,18 @@ class ServingChecks:
             for scenario in self.scenarios.values()
             for dtype in dtypes
             for kind in kinds.SERVING_KINDS
-            if kind != kinds.SERVING_IDENTICAL or scenario.same_as
+            if (kind != kinds.SERVING_IDENTICAL or scenario.same_as)
+            and (kind != kinds.SERVING_POISONED or scenario.poisons)
         ]
 
     def run(self, spec: CheckSpec) -> CheckResult:
         """Compute and decide one serving check (its kind's function, `_RESULTS`); `CheckSkipped` when it
-        cannot run."""
-        return _RESULTS[spec.kind](self, self.scenarios[spec.of.arg], spec)
+        cannot run, or its scenario needs an adapter call the adapter's class does not provide."""
+        scenario = self.scenarios[spec.of.arg]
+        reason = unprovided(self.runner.calls.adapter_class, scenario.calls)
+        if reason is not None:
+            raise CheckSkipped(reason)
+        return _RESULTS[spec.kind](self, scenario, spec)
 
     def requests_alone(self, scenario: Scenario, dtype: str) -> tuple[list[str], list[LayerResult], CaseData]:
         """The scenario's requests that get a token, each run alone, and the packed case of them all."""
@@ -99,22 +108,30 @@ class ServingChecks:
 
         def compute() -> ServingRun:
             guarded = self.runner.calls.guarded(dtype)  # built (or its fault raised) first
+            inputs = self._inputs(scenario, dtype)
             config = self.runner.dumps.config
-            inputs = scenario_inputs(scenario, self._statistics(), config.hidden_size, dtype)
             return ScenarioDriver(guarded, scenario, inputs, self._statistics(), config, dtype).run()
 
         return self._memoized(("run", scenario.name, dtype), compute)
 
     def _alone(self, scenario: Scenario, name: str, dtype: str) -> LayerResult:
-        """The request run alone: one `layer_extend` of its tokens, from zero states."""
+        """The request run alone: one `layer_extend` of its tokens (a copied one's first tokens its
+        source's), from zero states; once per request, token count and origin."""
 
         def compute() -> LayerResult:
-            config = self.runner.dumps.config
-            tokens = scenario.request_tokens[name]
-            x = self._statistics().draw(f"request {name}", tokens, config.hidden_size, dtype)
-            return self.runner.calls.extend(dtype, x, offsets([tokens]), None)
+            x = self._inputs(scenario, dtype)[name]
+            return self.runner.calls.extend(dtype, x, offsets([len(x)]), None)
 
-        return self._memoized(("alone", name, scenario.request_tokens[name], dtype), compute)
+        tokens, origin = scenario.request_tokens[name], _origin_chain(scenario, name)
+        return self._memoized(("alone", name, tokens, origin, dtype), compute)
+
+    def _inputs(self, scenario: Scenario, dtype: str) -> dict[str, np.ndarray]:
+        """Each request's hidden states over its life (`scenario_inputs`), once per scenario and dtype."""
+        hidden = self.runner.dumps.config.hidden_size
+        return self._memoized(
+            ("inputs", scenario.name, dtype),
+            lambda: scenario_inputs(scenario, self._statistics(), hidden, dtype),
+        )
 
     def _statistics(self) -> HiddenStatistics:
         """The dump's hidden-state statistics: those of its first case."""
@@ -127,13 +144,20 @@ class ServingChecks:
         """The scenario's requests as one packed case of independent sequences from zero states: what
         the float64 truth (and the bf16 contract's model) of each request alone is computed on."""
         if scenario.name not in self._cases:
-            hidden = self.runner.dumps.config.hidden_size
             lens = tuple(scenario.request_tokens[name] for name in names)
-            x = np.concatenate([self._statistics().draw(f"request {n}", t, hidden, "fp32")
-                                for n, t in zip(names, lens)])  # fmt: skip
+            x = np.concatenate([self._inputs(scenario, "fp32")[name] for name in names])
             info = CaseInfo(f"{self.set_name}/{scenario.name}", "", "", lens, False, "chunk", ())
             self._cases[scenario.name] = CaseData(info, {"hidden_states": x, "cu_seqlens": offsets(lens)})
         return self._cases[scenario.name]
+
+
+def _origin_chain(scenario: Scenario, name: str) -> tuple[tuple[str, int], ...]:
+    """Where request `name`'s first tokens come from: its source and their count, then the source's."""
+    origin, chain = scenario.origin, []
+    while name in origin:
+        name, count = origin[name]
+        chain.append((name, count))
+    return tuple(chain)
 
 
 # ------------------------------------------------------------------------------------ results by kind
@@ -192,6 +216,19 @@ def _untouched(checks: ServingChecks, scenario: Scenario, spec: CheckSpec) -> Ch
     if before.size == 0:
         raise CheckSkipped(f"scenario {scenario.name!r} has no slot outside a batch")
     return checks.bit_exact(spec, after, before, "slots outside the batch")
+
+
+@_result_of(kinds.SERVING_POISONED)
+def _poisoned(checks: ServingChecks, scenario: Scenario, spec: CheckSpec) -> CheckResult:
+    run = checks.run_of(scenario, spec.dtype)
+    before, after = (np.concatenate([np.zeros(0, np.uint32), *parts]) for parts in
+                     (run.poisoned_before, run.poisoned_after))  # fmt: skip
+    if before.size == 0:
+        raise CheckSkipped(f"scenario {scenario.name!r} runs nothing beside a poisoned slot")
+    changed = (before != after).astype(np.float32)  # NaN's bits compare too
+    return checks.bit_exact(
+        spec, changed, np.zeros_like(changed), "the poisoned slots' bits before each call"
+    )
 
 
 @_result_of(kinds.SERVING_IDENTICAL)

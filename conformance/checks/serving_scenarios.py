@@ -4,7 +4,13 @@ A scenario is a pool size and a list of events (conformance/checks/serving_event
 - `{"alloc": NAME}`: a new request NAME takes a free slot;
 - `{"free": NAME}`: request NAME finished; its slot goes back to the pool;
 - `{"forward": {"mode": "extend" | "decode", "requests": [[NAME, TOKENS], ...], "padding_rows": P}}`:
-  one forward of the batch: each request's next TOKENS tokens, in this order, then P padding rows.
+  one forward of the batch: each request's next TOKENS tokens, in this order, then P padding rows;
+- `{"verify": {"requests": [[NAME, K], ...], "padding_rows": P}}`: a verify forward of K draft tokens
+  each, and `{"accept": [NAME, N]}`: NAME keeps the states after the first N of them;
+- `{"copy": [SRC, DST]}`: new request DST starts from SRC's states (a prefix cache hit);
+- `{"handoff": [NAME, ...]}`: every request exported, a fresh pool opened, each imported there;
+- `{"poison": [NAME, "nan" | "1e30"]}`: new request NAME's slot filled with the value.
+The last five need the serving protocol's optional verbs (`Scenario.calls`).
 `same_as` names another scenario of the same file whose every forward gives the same outputs to the bit
 (the same schedule on other slots). A scenario file (`conformance run --scenarios FILE`, written by
 `conformance search --space serving`) is JSON or TOML: `{"scenarios": [{"name": ..., "num_slots": ...,
@@ -20,21 +26,31 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from conformance.checks.kinds import SERVING_SUFFIXES
+from conformance.checks.kinds import SERVING_CALLS, SERVING_SUFFIXES
 from conformance.checks.serving_events import (
+    EVENT_CALLS,
+    Accept,
+    Copy,
     Event,
     Forward,
+    Handoff,
+    Poison,
     ScheduleBook,
+    Verify,
     alloc,
     decode,
     event_from_dict,
     extend,
     free,
+    verify,
 )
 
 # The fixed scenarios' pool: one pool shape for all of them, so that the layer compiles once per bucket.
 FIXED_SLOTS = 8
 FIXED_SET = "fixed"
+# The fixed scenarios' snapshot interval (sgl-jax's `recurrent_track_interval`, a page) and draft tokens.
+SNAPSHOT_INTERVAL = 64
+DRAFT_TOKENS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +85,25 @@ class Scenario:
         return self.book().processed
 
     @property
-    def forwards(self) -> list[Forward]:
-        return [event for event in self.events if isinstance(event, Forward)]
+    def origin(self) -> dict[str, tuple[str, int]]:
+        """Each copied request's source and how many of the source's tokens it starts with."""
+        return self.book().origin
+
+    @property
+    def forwards(self) -> list[Forward | Verify]:
+        return [event for event in self.events if isinstance(event, (Forward, Verify))]
+
+    @property
+    def calls(self) -> tuple[str, ...]:
+        """The adapter calls the scenario makes: the serving protocol's, and the optional verbs its
+        events need (`EVENT_CALLS`)."""
+        optional = (call for event in self.events for call in EVENT_CALLS.get(type(event), ()))
+        return (*SERVING_CALLS, *dict.fromkeys(optional))
+
+    @property
+    def poisons(self) -> bool:
+        """Whether it poisons a slot (its `-poisoned` check then applies)."""
+        return any(isinstance(event, Poison) for event in self.events)
 
     def as_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"name": self.name, "num_slots": self.num_slots}
@@ -143,8 +176,66 @@ def fixed_scenarios() -> list[Scenario]:
             decode("r2", "r3", padding_rows=3),
         ],
     }
+    events.update(_optional_verb_scenarios())
     same_as = {"permuted-slots": "mixed-extend"}
     return [Scenario(name, FIXED_SLOTS, tuple(evs), same_as.get(name)) for name, evs in events.items()]
+
+
+def _optional_verb_scenarios() -> dict[str, list[Event]]:
+    """The fixed scenarios of the serving protocol's optional verbs (docs/serving.md), with snapshots at
+    every `SNAPSHOT_INTERVAL` tokens and the prefill split there. Three scenarios for the five features:
+    each scenario opens its pool and compiles its own forwards, so each costs the cold run most."""
+    poisons = [f"x{i}" for i in range(FIXED_SLOTS)]
+    drafted = [f"v{i}" for i in range(5)]
+    i = SNAPSHOT_INTERVAL
+    return {
+        "prefix-hit": [
+            *alloc("p", f"s{i}", f"s{2 * i}"),
+            extend(("p", i)),
+            Copy("p", f"s{i}"),
+            extend(("p", i)),
+            Copy("p", f"s{2 * i}"),
+            extend(("p", 2)),  # a prompt of 2i + 2 tokens: its last snapshot is at 2i, not 2i + 2
+            decode("p"),
+            *free("p"),
+            *alloc("q"),
+            Copy(f"s{2 * i}", "q"),  # an unaligned hit (the shared prefix ends after 2i): from 2i on
+            extend(("q", 5)),
+            *alloc("r"),
+            Copy(f"s{i}", "r"),  # a page-aligned hit of i tokens, its prefill beside q's decode
+            extend(("r", 40), ("q", 1)),
+            decode("r", "q"),
+        ],
+        "verify-handoff": [
+            *alloc(*drafted, "h"),
+            extend(*((name, 3 + 7 * n) for n, name in enumerate(drafted)), ("h", 37)),
+            verify(*((name, DRAFT_TOKENS) for name in drafted), padding_rows=2),
+            *(Accept(name, n) for n, name in enumerate(drafted)),  # 0 .. k accepted
+            decode(*drafted),
+            extend(("h", 20)),  # a prefill's second chunk
+            verify(("v0", 3), ("v3", 2), ("v2", 1)),
+            Accept("v3", 0),
+            Accept("v0", 3),
+            Accept("v2", 1),
+            Handoff(("h", *reversed(drafted))),  # to a fresh pool, in another slot order
+            decode("h", *drafted),
+            decode("h", "v1"),
+        ],
+        "poisoned-slots": [
+            *alloc(*poisons),
+            *(Poison(name, "1e30" if n % 2 else "nan") for n, name in enumerate(poisons)),  # the last: 1e30
+            *free(*reversed(poisons)),  # a last-in-first-out pool hands the first slots out again
+            *alloc("a", "b"),
+            extend(("a", 9), ("b", 5), padding_rows=3),
+            decode("a", "b", padding_rows=2),
+            *alloc("c"),
+            extend(("c", 4), ("a", 1), padding_rows=1),
+            verify(("a", 2), ("c", 2), padding_rows=1),
+            Accept("a", 1),
+            Accept("c", 2),
+            decode("a", "b", "c", padding_rows=1),
+        ],
+    }
 
 
 # ----------------------------------------------------------------------------------------- files

@@ -18,6 +18,7 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, find, settings
 from hypothesis.errors import NoSuchExample
 
+from conformance.adapter import provided_calls
 from conformance.adapters.guard import ImplementationFault
 from conformance.checks import kinds
 from conformance.checks.catalogue import CheckSkipped
@@ -138,7 +139,7 @@ def _search(judge: ScheduleJudge, options: SearchOptions) -> Scenario | None:
     )
     try:
         return find(
-            schedule_strategy(options.max_tokens),
+            schedule_strategy(options.max_tokens, provided_calls(options.adapter_class)),
             judge.fails,
             settings=search_settings,
             random=random.Random(options.seed),

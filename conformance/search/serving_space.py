@@ -9,33 +9,68 @@ running requests), a running request finishes (its slot is freed, for the next a
 hypothesis shrinks such a list toward fewer actions, smaller prompts and chunks, no mixing, no
 padding and the smallest pool, so a failing schedule shrinks to the fewest requests, steps and tokens
 that still fail.
+
+With the serving protocol's optional verbs (those the adapter provides, `VERB_ACTIONS`), four more:
+a snapshot (a request's states copied into a new snapshot slot, at the boundary its prefill's chunks
+end at), a hit (a new request copies a snapshot and continues with a prompt of its own), a verify (the
+started requests verify k draft tokens each and accept a drawn number of them, 0..k) and a handoff
+(every request exported into a fresh pool). Snapshots hold their slot and are never scheduled.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from hypothesis import strategies as st
 
-from conformance.checks.serving_events import Alloc, Forward, Free, ScheduleBook
+from conformance.checks.serving_events import (
+    Accept,
+    Alloc,
+    Copy,
+    Forward,
+    Free,
+    Handoff,
+    ScheduleBook,
+    Verify,
+)
 from conformance.checks.serving_scenarios import Scenario
 
 POOL_SIZES = (2, 4, 8)  # a few pool shapes: the layer compiles once per pool size and bucket
 MAX_ACTIONS = 12
 MAX_PADDING = 3
 MAX_ARRIVALS = 4  # requests arriving together
+MAX_DRAFTS = 4
 SEARCHED = "searched"  # the name of every searched scenario
+#: The optional serving verb each action of the verbs needs.
+VERB_ACTIONS = {"snapshot": "serving_copy", "hit": "serving_copy", "verify": "serving_accept",
+                "handoff": "serving_load"}  # fmt: skip
 
 
-def schedule_strategy(max_tokens: int) -> st.SearchStrategy[Scenario]:
-    """Scenarios of at most `MAX_ACTIONS` scheduler actions and prompts of at most `max_tokens` tokens."""
+def schedule_strategy(max_tokens: int, verbs: Collection[str] = ()) -> st.SearchStrategy[Scenario]:
+    """Scenarios of at most `MAX_ACTIONS` scheduler actions and prompts of at most `max_tokens` tokens,
+    with the actions of the optional verbs among `verbs` (`VERB_ACTIONS`)."""
     prompts = st.lists(st.integers(1, max_tokens), min_size=1, max_size=MAX_ARRIVALS)
     arrive = st.tuples(st.just("arrive"), prompts)
     step = st.tuples(
         st.just("step"), st.integers(1, max_tokens), st.booleans(), st.integers(0, MAX_PADDING), st.booleans()
     )
     finish = st.tuples(st.just("finish"), st.integers(0, 7))
-    actions = st.lists(st.one_of(arrive, step, finish), min_size=1, max_size=MAX_ACTIONS)
+    choices = {
+        "snapshot": st.tuples(st.just("snapshot"), st.integers(0, 7)),
+        "hit": st.tuples(st.just("hit"), st.integers(0, 7), st.integers(1, max_tokens)),
+        "verify": st.tuples(
+            st.just("verify"),
+            st.integers(1, MAX_DRAFTS),
+            st.integers(0, MAX_DRAFTS),
+            st.integers(0, MAX_PADDING),
+        ),
+        "handoff": st.tuples(st.just("handoff")),
+    }
+    drawn = [strategy for action, strategy in choices.items() if VERB_ACTIONS[action] in verbs]
+    # A verb's action needs a request that has started: steps are drawn as often as all of them.
+    steps = [step] * max(1, len(drawn))
+    actions = st.lists(st.one_of(arrive, *steps, finish, *drawn), min_size=1, max_size=MAX_ACTIONS)
     return st.builds(schedule, st.sampled_from(POOL_SIZES), actions)
 
 
@@ -44,24 +79,42 @@ def schedule(num_slots: int, actions: list[tuple[Any, ...]]) -> Scenario:
     each event played on the scenario's `ScheduleBook` as it is decided (the ValueError of a file's
     event when one is impossible)."""
     book = ScheduleBook(SEARCHED, num_slots)
-    prompts: dict[str, int] = {}  # each request's prompt tokens
+    prompts: dict[str, int] = {}  # each request's prompt tokens (a hit's: its snapshot's and its own)
+    snapshots: list[str] = []  # the snapshot requests, never scheduled
     for action in actions:
         kind = action[0]
+        running = [name for name, tokens in _left(book, prompts).items() if tokens <= 0]
+        started = [name for name in _left(book, prompts) if book.processed[name]]
         if kind == "arrive":
             for prompt in action[1][: book.free_slots]:
                 name = f"q{len(book.processed)}"
                 prompts[name] = prompt
                 book.play(Alloc(name))
-        elif kind == "finish":
-            running = [name for name, tokens in _left(book, prompts).items() if tokens <= 0]
-            if running:
-                book.play(Free(running[action[1] % len(running)]))
+        elif kind == "finish" and running:
+            book.play(Free(running[action[1] % len(running)]))
         elif kind == "step":
             forward = _step(
                 book, prompts, chunk=action[1], mix=action[2], padding_rows=action[3], every=action[4]
             )
             if forward is not None:
                 book.play(forward)
+        elif kind == "snapshot" and book.free_slots:
+            if started:
+                snapshot = f"s{len(book.processed)}"
+                book.play_all([Alloc(snapshot), Copy(started[action[1] % len(started)], snapshot)])
+                snapshots.append(snapshot)
+        elif kind == "hit" and book.free_slots:
+            held = [name for name in snapshots if name in book.holding]
+            if held:
+                source, name = held[action[1] % len(held)], f"q{len(book.processed)}"
+                book.play_all([Alloc(name), Copy(source, name)])
+                prompts[name] = book.processed[source] + action[2]
+        elif kind == "verify" and started:
+            drafts, accepted, padding_rows = action[1:]
+            book.play(Verify(tuple((name, drafts) for name in started), padding_rows))
+            book.play_all(Accept(name, (accepted + i) % (drafts + 1)) for i, name in enumerate(started))
+        elif kind == "handoff" and book.holding:
+            book.play(Handoff(tuple(reversed(book.holding))))
     return Scenario(SEARCHED, num_slots, tuple(book.events))
 
 
@@ -84,5 +137,6 @@ def _step(
 
 
 def _left(book: ScheduleBook, prompts: dict[str, int]) -> dict[str, int]:
-    """The tokens of each slot-holding request's prompt still to prefill (<= 0: it is running)."""
-    return {name: prompts[name] - book.processed[name] for name in book.holding}
+    """The tokens of each slot-holding request's prompt still to prefill (<= 0: it is running); a
+    snapshot is none of them."""
+    return {name: prompts[name] - book.processed[name] for name in book.holding if name in prompts}

@@ -59,10 +59,32 @@ def short_conv_with_state(
     # W is small (4): one gathered [T, C] slab per tap keeps the peak memory at a few copies of x.
     y = sum(rows[window_rows[:, j]].astype(jnp.float32) * taps[j] for j in range(width)).astype(x.dtype)
 
-    # New state of sequence n: rows len_n .. len_n + W-2 of its own [state | tokens] concatenation.
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # [N]
-    e = lengths[:, None] + jnp.arange(history, dtype=jnp.int32)[None, :]  # [N, W-1]
+    new_state = rows[_window_rows(cu_seqlens, cu_seqlens[1:] - cu_seqlens[:-1], history)]
+    return y, new_state.astype(conv_state.dtype)  # [N, W-1, C]
+
+
+def _window_rows(cu_seqlens: jax.Array, consumed: jax.Array, history: int) -> jax.Array:
+    """i32[N, W-1]: the rows of the `[N states (W-1 rows each) | T tokens]` table holding sequence n's
+    conv state after its first `consumed[n]` tokens: rows consumed_n .. consumed_n + W-2 of its own
+    `[state | tokens]` concatenation."""
+    num_seqs = consumed.shape[0]
+    e = consumed[:, None] + jnp.arange(history, dtype=jnp.int32)[None, :]  # [N, W-1]
     n = jnp.arange(num_seqs, dtype=jnp.int32)[:, None]
-    state_rows = jnp.where(e < history, n * history + e, token_row0 + cu_seqlens[:-1, None] + e - history)
-    new_state = rows[state_rows].astype(conv_state.dtype)  # [N, W-1, C]
-    return y, new_state
+    token_row0 = num_seqs * history
+    return jnp.where(e < history, n * history + e, token_row0 + cu_seqlens[:-1, None] + e - history)
+
+
+def conv_states_per_token(
+    x: jax.Array,  # [T, C] conv inputs of the packed batch
+    conv_state: jax.Array,  # [N, W-1, C] the last W-1 inputs of each sequence before this batch
+    cu_seqlens: jax.Array,  # i32[N+1] token offsets of the N sequences in x
+    steps: int,
+) -> jax.Array:
+    """[N, steps, W-1, C] in conv_state's dtype: each sequence's conv state after its first j+1 tokens
+    (j < steps; after all of them for a sequence of fewer), what a verify forward keeps for each draft."""
+    history, num_seqs = conv_state.shape[1], conv_state.shape[0]
+    rows = jnp.concatenate([conv_state.reshape(num_seqs * history, -1).astype(x.dtype), x], axis=0)
+    cu_seqlens = cu_seqlens.astype(jnp.int32)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    windows = [rows[_window_rows(cu_seqlens, jnp.minimum(lengths, j + 1), history)] for j in range(steps)]
+    return jnp.stack(windows, axis=1).astype(conv_state.dtype)

@@ -42,6 +42,9 @@ from kda_spec.config import KDAConfig
 # Layouts of the buffers on a mesh: slots over `data`, heads (or head-major channels) over `tensor`.
 RECURRENT_SPEC = PartitionSpec(None, DATA_AXIS, TENSOR_AXIS, None, None)  # [L, slots, H, K, V]
 CONV_SPEC = PartitionSpec(None, DATA_AXIS, None, None, TENSOR_AXIS)  # [L, slots, W-1, 3, P]
+# The draft buffers (a verify forward's states after each draft token): one more axis after the slots.
+DRAFT_RECURRENT_SPEC = PartitionSpec(None, DATA_AXIS, None, TENSOR_AXIS, None, None)  # [L, slots, k, H, K, V]
+DRAFT_CONV_SPEC = PartitionSpec(None, DATA_AXIS, None, None, None, TENSOR_AXIS)  # [L, slots, k, W-1, 3, P]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -52,6 +55,9 @@ class RecurrentStatePool:
     conv_buffer: `[L, dp * (slots+1), W-1, 3, P]` in the run's dtype: the last W-1 inputs of the q, k
     and v convs, `P = H * D` head-major channels each (so that heads can be split across devices).
     Each data rank's slot 0 is its dummy slot (padding and idle requests); a slot is zeroed when allocated.
+    draft_recurrent_buffer / draft_conv_buffer (speculative decoding, `with_draft_tokens(k)`; None until
+    then): `[L, dp * (slots+1), k, ...]`, each slot's states after each of its last verify forward's k
+    draft tokens (`TARGET_VERIFY`), of which `accept_drafts` keeps the one after the n accepted.
 
     Host-side methods (`alloc`, `free`, `get_recurrent_indices`, `rows`) run outside `jit` and take the
     data rank of the request (0 without data parallelism); `alloc` rebinds this object's buffers (after a
@@ -67,11 +73,15 @@ class RecurrentStatePool:
         conv_buffer: jax.Array,  # [L, dp * (slots+1), W-1, 3, P]
         layer_ids: tuple[int, ...],
         allocators: tuple[SlotAllocator, ...],  # one per data rank
+        draft_recurrent_buffer: jax.Array | None = None,  # [L, dp * (slots+1), k, H, D, D] fp32
+        draft_conv_buffer: jax.Array | None = None,  # [L, dp * (slots+1), k, W-1, 3, P]
     ):
         self.recurrent_buffer = recurrent_buffer
         self.conv_buffer = conv_buffer
         self.layer_ids = layer_ids
         self.allocators = allocators
+        self.draft_recurrent_buffer = draft_recurrent_buffer
+        self.draft_conv_buffer = draft_conv_buffer
 
     @classmethod
     def create(
@@ -119,29 +129,145 @@ class RecurrentStatePool:
 
     def partition_specs(self) -> RecurrentStatePool:
         """This pool's tree with the `PartitionSpec` of each buffer (for `shard_map`)."""
-        return RecurrentStatePool(RECURRENT_SPEC, CONV_SPEC, self.layer_ids, self.allocators)
+        drafts = (DRAFT_RECURRENT_SPEC, DRAFT_CONV_SPEC) if self.draft_tokens else (None, None)
+        return type(self)(RECURRENT_SPEC, CONV_SPEC, self.layer_ids, self.allocators, *drafts)
 
     # --- pytree -------------------------------------------------------------------------------------
 
-    def tree_flatten(
-        self,
-    ) -> tuple[tuple[jax.Array, jax.Array], tuple[tuple[int, ...], tuple[SlotAllocator, ...]]]:
-        return (self.recurrent_buffer, self.conv_buffer), (self.layer_ids, self.allocators)
+    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[tuple[int, ...], tuple[SlotAllocator, ...]]]:
+        children = (
+            self.recurrent_buffer,
+            self.conv_buffer,
+            self.draft_recurrent_buffer,
+            self.draft_conv_buffer,
+        )
+        return children, (self.layer_ids, self.allocators)
 
     @classmethod
     def tree_unflatten(
         cls, aux: tuple[tuple[int, ...], tuple[SlotAllocator, ...]], children: tuple
     ) -> RecurrentStatePool:
-        return cls(*children, *aux)
+        recurrent, conv, *drafts = children
+        return cls(recurrent, conv, *aux, *drafts)
+
+    _BUFFERS = ("recurrent_buffer", "conv_buffer", "draft_recurrent_buffer", "draft_conv_buffer")
 
     def replace(self, **buffers: jax.Array) -> RecurrentStatePool:
-        """A pool sharing the layers and allocators, with `recurrent_buffer` and/or `conv_buffer` replaced."""
-        unknown = sorted(set(buffers) - {"recurrent_buffer", "conv_buffer"})
+        """A pool of the same class sharing the layers and allocators, with the buffers named replaced
+        (`recurrent_buffer`, `conv_buffer`, `draft_recurrent_buffer`, `draft_conv_buffer`)."""
+        unknown = sorted(set(buffers) - set(self._BUFFERS))
         if unknown:
             raise TypeError(f"a pool has no buffer(s) {unknown}")
-        recurrent = buffers.get("recurrent_buffer", self.recurrent_buffer)
-        conv = buffers.get("conv_buffer", self.conv_buffer)
-        return RecurrentStatePool(recurrent, conv, self.layer_ids, self.allocators)
+        recurrent, conv, *drafts = (buffers.get(name, getattr(self, name)) for name in self._BUFFERS)
+        return type(self)(recurrent, conv, self.layer_ids, self.allocators, *drafts)
+
+    # --- speculative decoding: the draft buffers ------------------------------------------------------
+
+    @property
+    def draft_tokens(self) -> int:
+        """Draft tokens per slot the draft buffers hold (0: none; `with_draft_tokens`)."""
+        return 0 if self.draft_recurrent_buffer is None else int(self.draft_recurrent_buffer.shape[2])
+
+    def with_draft_tokens(self, k: int) -> RecurrentStatePool:
+        """This pool with zeroed draft buffers of `k` draft tokens per slot (outside `jit`; the states
+        are kept), placed as the state buffers are."""
+        if not is_int(k) or k < 1:
+            raise ValueError(f"draft tokens k must be a positive int, got {k!r}")
+        layers, rows = self.recurrent_buffer.shape[:2]
+        shapes = (
+            (layers, rows, k, *self.recurrent_buffer.shape[2:]),
+            (layers, rows, k, *self.conv_buffer.shape[2:]),
+        )
+        dtypes = (self.recurrent_buffer.dtype, self.conv_buffer.dtype)
+        specs = (DRAFT_RECURRENT_SPEC, DRAFT_CONV_SPEC)
+        sharding = self.recurrent_buffer.sharding
+        drafts = []
+        for shape, dtype, spec in zip(shapes, dtypes, specs):
+            buffer = jnp.zeros(shape, dtype)
+            if isinstance(sharding, NamedSharding):
+                buffer = jax.device_put(buffer, NamedSharding(sharding.mesh, spec))
+            drafts.append(buffer)
+        return self.replace(draft_recurrent_buffer=drafts[0], draft_conv_buffer=drafts[1])
+
+    def accept_drafts(
+        self, slots: Sequence[int] | np.ndarray, accepted: Sequence[int] | np.ndarray, dp_rank: int = 0
+    ) -> RecurrentStatePool:
+        """A pool whose `slots` `[N]` hold, in every layer, their states after the first `accepted[i]`
+        draft tokens of their last verify forward (recurrent state and conv window); 0 keeps the state
+        from before it. Outside `jit` (the buffers are donated); ValueError on a slot `rows` refuses or a
+        count outside 0..draft_tokens."""
+        if not self.draft_tokens:
+            raise ValueError("the pool has no draft buffers: with_draft_tokens(k), then a verify forward")
+        rows = self.rows(slots, dp_rank)
+        counts = as_int_array(accepted, "accepted").reshape(-1)
+        if counts.shape != rows.shape or np.any(counts < 0) or np.any(counts > self.draft_tokens):
+            raise ValueError(
+                f"accepted {counts.tolist()} must give each of the slots {np.asarray(slots).tolist()} a "
+                f"count in 0..{self.draft_tokens} (the pool's draft tokens)"
+            )
+        self.allocator_check(slots, dp_rank)
+        recurrent, conv = _accept_drafts(
+            self.recurrent_buffer, self.conv_buffer, self.draft_recurrent_buffer, self.draft_conv_buffer,
+            jnp.asarray(rows), jnp.asarray(counts, jnp.int32),
+        )  # fmt: skip
+        return self.replace(recurrent_buffer=recurrent, conv_buffer=conv)
+
+    # --- whole-slot copies and loads (prefix caching, disaggregated serving) ----------------------------
+
+    def copy_slots(
+        self, src_slots: Sequence[int] | np.ndarray, dst_slots: Sequence[int] | np.ndarray, dp_rank: int = 0
+    ) -> RecurrentStatePool:
+        """A pool whose `dst_slots` `[N]` hold, in every layer, the recurrent and conv states of
+        `src_slots` `[N]` (copy-on-write of a cached prefix). Outside `jit` (the buffers are donated);
+        ValueError on a slot that is not allocated, repeated among the destinations, or a source that is
+        also a destination."""
+        src, dst = self.rows(src_slots, dp_rank), self.rows(dst_slots, dp_rank)
+        if src.shape != dst.shape or set(src.tolist()) & set(dst.tolist()):
+            raise ValueError(
+                f"copy_slots needs as many sources as destinations and none of them both: got "
+                f"{np.asarray(src_slots).tolist()} -> {np.asarray(dst_slots).tolist()}"
+            )
+        self.allocator_check(src_slots, dp_rank)
+        self.allocator_check(dst_slots, dp_rank)
+        recurrent, conv = _copy_slots(
+            self.recurrent_buffer, self.conv_buffer, jnp.asarray(src), jnp.asarray(dst)
+        )
+        return self.replace(recurrent_buffer=recurrent, conv_buffer=conv)
+
+    def load_slot(
+        self,
+        slot: int,
+        recurrent: jax.Array | np.ndarray,  # [L, H, D, D]
+        conv: jax.Array | np.ndarray,  # [L, W-1, 3, P]
+        dp_rank: int = 0,
+    ) -> RecurrentStatePool:
+        """A pool whose `slot` holds the given states of every layer (the import of a disaggregated
+        prefill's states). Outside `jit` (the buffers are donated); ValueError on a slot that is not
+        allocated or states of another shape."""
+        rows = self.rows([slot], dp_rank)
+        self.allocator_check([slot], dp_rank)
+        for name, value, buffer in (
+            ("recurrent", recurrent, self.recurrent_buffer),
+            ("conv", conv, self.conv_buffer),
+        ):
+            expected = (buffer.shape[0], *buffer.shape[2:])
+            if tuple(np.shape(value)) != expected:
+                raise ValueError(
+                    f"load_slot: {name} must be {expected} (layers, then one slot's state), "
+                    f"got {np.shape(value)}"
+                )
+        recurrent_buffer, conv_buffer = _load_slot(
+            self.recurrent_buffer, self.conv_buffer, jnp.asarray(rows),
+            jnp.asarray(recurrent, self.recurrent_buffer.dtype), jnp.asarray(conv, self.conv_buffer.dtype),
+        )  # fmt: skip
+        return self.replace(recurrent_buffer=recurrent_buffer, conv_buffer=conv_buffer)
+
+    def allocator_check(self, slots: Sequence[int] | np.ndarray, dp_rank: int = 0) -> None:
+        """ValueError naming the first of `slots` (of data rank `dp_rank`) that is not allocated."""
+        allocator = self._allocator(dp_rank)
+        for slot in as_int_array(slots, "slots").reshape(-1).tolist():
+            if not allocator.is_allocated(slot):
+                raise ValueError(f"slot {slot} is not allocated; allocate it with RecurrentStatePool.alloc")
 
     # --- host-side slot bookkeeping -----------------------------------------------------------------
 
@@ -182,14 +308,11 @@ class RecurrentStatePool:
         ValueError naming the slot and the pool size when one is not an int, out of range, the dummy,
         repeated or not allocated.
         """
-        allocator = self._allocator(dp_rank)
         slots = as_int_array(req_pool_indices, "req_pool_indices")
         if slots.ndim != 1:
             raise ValueError(f"req_pool_indices must be a 1-D list of integers, got {slots.tolist()}")
         check_request_slots(slots, self.num_slots)
-        for slot in slots.tolist():
-            if not allocator.is_allocated(slot):
-                raise ValueError(f"slot {slot} is not allocated; allocate it with RecurrentStatePool.alloc")
+        self.allocator_check(slots, dp_rank)
         return slots.astype(np.int32)
 
     @property
@@ -284,6 +407,33 @@ class RecurrentStatePool:
         conv = self.conv_buffer.at[i, rows].set(new_conv.astype(self.conv_buffer.dtype))
         return self.replace(conv_buffer=conv)
 
+    def set_draft_states(
+        self,
+        layer_id: int,
+        slot_indices: jax.Array | np.ndarray | Sequence[int],  # int[N] rows of the buffers
+        recurrent: jax.Array,  # [N, k, H, D, D]
+        conv: jax.Array,  # [N, k, W-1, 3, P]
+        *,
+        padding_rows: bool = False,
+    ) -> RecurrentStatePool:
+        """A pool whose draft buffers hold, for `slot_indices` of layer `layer_id`, the states after each
+        of a verify forward's k draft tokens (checked or routed as `safe_rows` says)."""
+        i = self.layer_index(layer_id)
+        rows = self.safe_rows(slot_indices, padding_rows=padding_rows)
+        if self.draft_recurrent_buffer is None or self.draft_conv_buffer is None:
+            raise ValueError("the pool has no draft buffers: with_draft_tokens(k) first")
+        for name, new, buffer in (("recurrent", recurrent, self.draft_recurrent_buffer),
+                                  ("conv", conv, self.draft_conv_buffer)):  # fmt: skip
+            _check_new_states(f"draft {name}", "[N={n}, k, ...]", new, buffer, rows)
+        return self.replace(
+            draft_recurrent_buffer=self.draft_recurrent_buffer.at[i, rows].set(
+                recurrent.astype(self.draft_recurrent_buffer.dtype)
+            ),
+            draft_conv_buffer=self.draft_conv_buffer.at[i, rows].set(
+                conv.astype(self.draft_conv_buffer.dtype)
+            ),
+        )
+
     def safe_rows(
         self, slot_indices: jax.Array | np.ndarray | Sequence[int], *, padding_rows: bool = False
     ) -> jax.Array:
@@ -340,3 +490,40 @@ def _zero_slots(
     rows: jax.Array,  # i32[n]
 ) -> tuple[jax.Array, jax.Array]:
     return recurrent.at[:, rows].set(0), conv.at[:, rows].set(0)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _copy_slots(
+    recurrent: jax.Array,  # [L, rows, H, D, D]
+    conv: jax.Array,  # [L, rows, W-1, 3, P]
+    src: jax.Array,  # i32[n]
+    dst: jax.Array,  # i32[n]
+) -> tuple[jax.Array, jax.Array]:
+    return recurrent.at[:, dst].set(recurrent[:, src]), conv.at[:, dst].set(conv[:, src])
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _load_slot(
+    recurrent: jax.Array,  # [L, rows, H, D, D]
+    conv: jax.Array,  # [L, rows, W-1, 3, P]
+    rows: jax.Array,  # i32[1]
+    new_recurrent: jax.Array,  # [L, H, D, D]
+    new_conv: jax.Array,  # [L, W-1, 3, P]
+) -> tuple[jax.Array, jax.Array]:
+    return recurrent.at[:, rows].set(new_recurrent[:, None]), conv.at[:, rows].set(new_conv[:, None])
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _accept_drafts(
+    recurrent: jax.Array,  # [L, rows, H, D, D]
+    conv: jax.Array,  # [L, rows, W-1, 3, P]
+    draft_recurrent: jax.Array,  # [L, rows, k, H, D, D]
+    draft_conv: jax.Array,  # [L, rows, k, W-1, 3, P]
+    rows: jax.Array,  # i32[n]
+    accepted: jax.Array,  # i32[n] in 0..k
+) -> tuple[jax.Array, jax.Array]:
+    step = jnp.maximum(accepted - 1, 0)
+    keep = (accepted > 0)[None, :, None, None, None]
+    new_recurrent = jnp.where(keep, draft_recurrent[:, rows, step], recurrent[:, rows])
+    new_conv = jnp.where(keep, draft_conv[:, rows, step], conv[:, rows])
+    return recurrent.at[:, rows].set(new_recurrent), conv.at[:, rows].set(new_conv)

@@ -124,11 +124,11 @@ def make_forward_batch(
     min_tokens: int = MIN_TOKEN_BUCKET,
     min_requests: int = MIN_REQUEST_BUCKET,
 ) -> ForwardBatch:
-    """Build a padded EXTEND or DECODE batch for N requests (outside `jit`).
+    """Build a padded EXTEND, DECODE or TARGET_VERIFY batch for N requests (outside `jit`).
 
     Args:
         attn_backend: the shared backend; the batch gets a copy bound to this batch's metadata.
-        forward_mode: EXTEND (prefill / chunked prefill) or DECODE (one token per request).
+        forward_mode: EXTEND (prefill / chunked prefill), DECODE (one token per request) or TARGET_VERIFY.
         seq_lens: `[N]` new tokens of each request in this step (each 1 for DECODE; 0 allowed for EXTEND).
         recurrent_indices: `[N]` state-pool slot of each request, from
             `RecurrentStatePool.get_recurrent_indices`: real slots 1..num_slots, all different.
@@ -141,16 +141,17 @@ def make_forward_batch(
     ValueError naming the slot and the pool size: a real request never shares a slot.
 
     Bucketing (so a jitted forward compiles once per bucket pair, not per set of lengths):
-        - EXTEND: the token count T is padded to `bucket(T, min_tokens)` and the request count to
-          `bucket(N + 1, min_requests)`. The first padding request owns all padding tokens; the
-          others are zero-length. Padding requests use the pool's dummy slot 0, so they never read
-          or write a real slot. The caller pads `hidden_states` to `batch.num_tokens` rows (`pad_rows`).
+        - EXTEND and TARGET_VERIFY (draft tokens): the token count T is padded to
+          `bucket(T, min_tokens)` and the request count to `bucket(N + 1, min_requests)`. The first
+          padding request owns all padding tokens; the others are zero-length. Padding requests use
+          the pool's dummy slot 0, so they never read or write a real slot. The caller pads
+          `hidden_states` to `batch.num_tokens` rows (`pad_rows`).
         - DECODE: N is padded to `bucket(N, min_requests)` and T = N; each padding request has one
           padding token and the dummy slot (padding rows may repeat the dummy slot, real ones never).
         Outputs of padding tokens are meaningless: keep the first `sum(seq_lens)` rows.
     """
     lens = as_int_array(seq_lens, "seq_lens")
-    if forward_mode in (ForwardMode.EXTEND, ForwardMode.DECODE) and (lens.ndim != 1 or lens.size == 0):
+    if lens.ndim != 1 or lens.size == 0:
         raise ValueError(
             f"seq_lens must be a non-empty 1-D list of token counts, got {list(np.atleast_1d(lens))}"
         )
@@ -187,8 +188,10 @@ def make_dp_forward_batch(
     hidden states go to rows `batch.rank_rows(r)` of the `[T, hidden]` input (first its real tokens,
     then zero rows), its outputs come back in the same rows.
     """
-    if forward_mode not in (ForwardMode.EXTEND, ForwardMode.DECODE):
-        raise ValueError(f"make_forward_batch builds EXTEND or DECODE batches, got {forward_mode!r}")
+    if forward_mode not in (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        raise ValueError(
+            f"make_forward_batch builds EXTEND, DECODE or TARGET_VERIFY batches, got {forward_mode!r}"
+        )
     if not is_int(num_slots) or num_slots < 1:
         raise ValueError(f"num_slots must be a positive int (the pool's num_slots), got {num_slots!r}")
     dp = len(seq_lens)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conformance.adapter import (
+    OPTIONAL_SERVING_CALLS,
     PROTOCOLS,
     KDAAdapter,
     KernelAdapter,
@@ -127,7 +128,12 @@ def test_what_a_class_provides_is_the_calls_of_the_protocols_it_declares(
 ) -> None:
     assert provided_calls(skeleton_class) == {"chunk_kernel", "recurrent_kernel"}
     assert provided_calls(KDAImplAdapter) == {
-        *kinds.DECODE_CALLS, "chunk_kernel", "recurrent_kernel", *RAW_GATE_CALLS, *kinds.SERVING_CALLS
+        *kinds.DECODE_CALLS,
+        "chunk_kernel",
+        "recurrent_kernel",
+        *RAW_GATE_CALLS,
+        *kinds.SERVING_CALLS,
+        *OPTIONAL_SERVING_CALLS,
     }  # fmt: skip
     assert provided_calls(NoProtocol) == frozenset()
     assert unprovided(skeleton_class, kinds.KERNEL_CHUNK.needs) is None

@@ -19,14 +19,19 @@ from conformance.checks.runner import CheckRunner
 from conformance.checks.serving_checks import ServingChecks
 from conformance.checks.serving_events import (
     EVENT_TYPES,
+    Accept,
     Alloc,
+    Copy,
     Event,
     Forward,
     Free,
+    Handoff,
+    Poison,
     ScheduleBook,
     decode,
     event_from_dict,
     extend,
+    verify,
 )
 from conformance.checks.serving_run import HiddenStatistics, ScenarioDriver, scenario_inputs
 from conformance.checks.serving_scenarios import (
@@ -138,10 +143,11 @@ def _write(path: Path, events: list[dict], num_slots: int = 2, name: str = "s") 
             r"event 1: padding_rows must be an integer >= 0, got -1",
         ),
         (
-            [{"copy": "a"}],
-            r"event 1: malformed \(ValueError: an event is one key of \['alloc', 'free', 'forward'\], "
-            r"got \{'copy': 'a'\}\)",
+            [{"snapshot": "a"}],
+            r"event 1: malformed \(ValueError: an event is one key of \['alloc', 'free', 'forward', "
+            r"'verify', 'accept', 'copy', 'handoff', 'poison'\], got \{'snapshot': 'a'\}\)",
         ),
+        ([{"copy": "a"}], r"event 1: malformed \(ValueError: not enough values to unpack"),
         ([{"forward": {"requests": [["a", 1]]}}], r"event 1: malformed \(KeyError: 'mode'\)"),
     ],
 )
@@ -163,6 +169,33 @@ BROKEN_PRECONDITIONS = [
     ([Alloc("a"), extend(("a", 0))], "request 'a' has 0 tokens; extend needs >= 1, decode 1"),
     ([Alloc("a"), Forward("decode", (("a", 2),))], "request 'a' has 2 tokens; extend needs >= 1, decode 1"),
     ([Alloc("a"), extend(("a", 1), padding_rows=-1)], "padding_rows must be an integer >= 0, got -1"),
+    ([Alloc("a"), verify(("a", 2))], "a verify of request 'a', which has no prefill yet"),
+    ([Alloc("a"), extend(("a", 1)), verify(("a", 0))], "request 'a' has 0 draft tokens; a verify needs >= 1"),
+    (
+        [Alloc("a"), extend(("a", 1)), verify(("a", 2)), decode("a")],
+        "a forward of request 'a', whose verify waits for its accept",
+    ),
+    (
+        [Alloc("a"), extend(("a", 1)), verify(("a", 2)), Free("a")],
+        "free 'a', whose verify waits for its accept",
+    ),
+    ([Alloc("a"), extend(("a", 1)), verify(("a", 2)), Accept("a", 3)], "accept 'a' of 3 draft tokens: 0..2"),
+    ([Alloc("a"), Accept("a", 0)], "accept 'a', which has no verify waiting"),
+    ([Alloc("a"), Alloc("b"), Copy("a", "b")], "copy from 'a', which has processed no token"),
+    (
+        [Alloc("a"), extend(("a", 1)), Alloc("b"), extend(("b", 1)), Copy("a", "b")],
+        "copy into 'b', which has states already (a new request's slot only)",
+    ),
+    ([Alloc("a"), extend(("a", 1)), Copy("a", "c")], "copy into 'c', which holds no slot (alloc it first)"),
+    (
+        [Alloc("a"), Alloc("b"), Handoff(("a",))],
+        "a handoff names every request holding a slot once: ['a', 'b'], got ['a']",
+    ),
+    ([Alloc("a"), Poison("a", "0")], "poison 'a' with '0': one of ['nan', '1e30']"),
+    (
+        [Alloc("a"), Poison("a", "nan"), extend(("a", 1))],
+        "a forward of request 'a', whose slot is poisoned (free it)",
+    ),
 ]
 
 
@@ -204,7 +237,16 @@ def test_an_impossible_searched_schedule_fails_as_the_same_malformed_file_fails(
 
 
 def test_every_event_type_reads_back_its_file_form_and_has_a_runner_action():
-    examples: list[Event] = [Alloc("a"), Free("a"), extend(("a", 3), ("b", 1), padding_rows=2)]
+    examples: list[Event] = [
+        Alloc("a"),
+        Free("a"),
+        extend(("a", 3), ("b", 1), padding_rows=2),
+        verify(("a", 4), ("b", 2), padding_rows=1),
+        Accept("a", 2),
+        Copy("a", "b"),
+        Handoff(("b", "a")),
+        Poison("a", "nan"),
+    ]
     assert {type(event) for event in examples} == set(EVENT_TYPES.values())
     for event in examples:
         assert EVENT_TYPES[event.key] is type(event)
@@ -268,7 +310,7 @@ def _search(
 
 def test_the_serving_search_finds_a_seeded_defect_and_writes_a_replayable_shrunk_schedule(tmp_path):
     code, report = _search(
-        tmp_path, serving_defects.OneTokenSegmentAsNew, budget_s=90.0, shrink_budget_s=60.0
+        tmp_path, serving_defects.OneTokenSegmentAsNew, budget_s=150.0, shrink_budget_s=60.0
     )
     assert code == 1 and report["found"], report
     (found,) = load_scenarios(tmp_path / "scenarios.json")

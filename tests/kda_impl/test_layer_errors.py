@@ -115,7 +115,12 @@ def test_slot_out_of_range_or_unallocated(slot, message, runner_for):
         (ForwardMode.EXTEND, [3, 4], [1], r"one entry per request: got 2, 1 and 2"),
         (ForwardMode.EXTEND, [3, -1], [1, 2], r"seq_lens \[3, -1\] and prefix_lens \[0, 0\] must be >= 0"),
         (ForwardMode.EXTEND, [], [], r"seq_lens must be a non-empty 1-D list"),
-        (ForwardMode.IDLE, [1], [1], r"builds EXTEND or DECODE batches, got <ForwardMode.IDLE"),
+        (
+            ForwardMode.IDLE,
+            [1],
+            [1],
+            r"builds EXTEND, DECODE or TARGET_VERIFY batches, got <ForwardMode.IDLE",
+        ),
     ],
 )
 def test_bad_batch_requests(mode, seq_lens, slots, message, runner_for):

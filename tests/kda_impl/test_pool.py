@@ -146,3 +146,87 @@ def test_create_needs_kda_layers():
         RecurrentStatePool.create(CONFIG.replace(kda_layers=()), 2)
     with pytest.raises(ValueError, match="num_slots must be >= 1"):
         RecurrentStatePool.create(CONFIG, 0)
+
+
+# --- the whole-slot verbs: copy_slots, load_slot, accept_drafts ---------------------------------------
+
+
+def _slot_states(pool: RecurrentStatePool, slot: int) -> tuple[np.ndarray, np.ndarray]:
+    """(recurrent [L, H, D, D], conv [L, W-1, 3, P]) of `slot` in every layer."""
+    return np.asarray(pool.recurrent_buffer[:, slot]), np.asarray(pool.conv_buffer[:, slot])
+
+
+def test_copy_slots_copies_every_layer_and_nothing_else():
+    pool = make_pool()
+    pool.alloc(3)
+    for layer, value in ((0, 1.0), (1, 2.0), (3, 3.0)):
+        pool = fill(pool, layer, [1], value)
+    pool = fill(pool, 1, [3], 7.0)
+    before = _slot_states(pool, 3)
+    copied = pool.copy_slots([1], [2])
+    for got, want in zip(_slot_states(copied, 2), _slot_states(copied, 1)):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(_slot_states(copied, 3), before):
+        np.testing.assert_array_equal(got, want)
+    assert np.asarray(copied.recurrent_buffer[:, 1, 0, 0, 0]).tolist() == [1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "message"),
+    [
+        ([1], [4], r"slot 4 is not allocated"),
+        ([1], [1], r"none of them both: got \[1\] -> \[1\]"),
+        ([1, 2], [3], r"as many sources as destinations"),
+        ([1], [0], r"slot 0 is out of range: real slots are 1..4 of the 4-slot pool"),
+    ],
+)
+def test_copy_slots_refuses_bad_slots(src, dst, message):
+    pool = make_pool()
+    pool.alloc(3)
+    with pytest.raises(ValueError, match=message):
+        pool.copy_slots(src, dst)
+
+
+def test_load_slot_writes_one_slot_of_every_layer():
+    pool = make_pool()
+    pool.alloc(2)
+    recurrent = np.full((3, *pool.recurrent_buffer.shape[2:]), 1e30, np.float32)
+    conv = np.full((3, *pool.conv_buffer.shape[2:]), np.nan, np.float32)
+    loaded = pool.load_slot(2, recurrent, conv)
+    got_recurrent, got_conv = _slot_states(loaded, 2)
+    np.testing.assert_array_equal(got_recurrent, recurrent)
+    assert np.isnan(got_conv).all()
+    assert not np.any(_slot_states(loaded, 1)[0])
+    with pytest.raises(ValueError, match=r"load_slot: conv must be \(3, 3, 3, 128\)"):
+        loaded.load_slot(1, recurrent, conv[:, :2])
+    with pytest.raises(ValueError, match=r"slot 3 is not allocated"):
+        loaded.load_slot(3, recurrent, conv)
+
+
+def test_accept_drafts_keeps_the_state_after_the_accepted_ones():
+    pool = make_pool()
+    pool.alloc(3)
+    with pytest.raises(ValueError, match=r"no draft buffers: with_draft_tokens\(k\)"):
+        pool.accept_drafts([1], [0])
+    pool = fill(pool.with_draft_tokens(3), 0, [1, 2, 3], -1.0)
+    assert pool.draft_tokens == 3 and pool.draft_recurrent_buffer.shape == (3, 5, 3, 2, 64, 64)
+    steps = jnp.arange(1.0, 4.0)  # draft state j holds j + 1
+    draft_recurrent = jnp.broadcast_to(
+        steps[None, None, :, None, None, None], pool.draft_recurrent_buffer.shape
+    )
+    draft_conv = jnp.broadcast_to(steps[None, None, :, None, None, None], pool.draft_conv_buffer.shape)
+    pool = pool.replace(draft_recurrent_buffer=draft_recurrent, draft_conv_buffer=draft_conv)
+    accepted = pool.accept_drafts([1, 2, 3], [0, 1, 3])
+    assert [float(accepted.recurrent_buffer[0, s, 0, 0, 0]) for s in (1, 2, 3)] == [-1.0, 1.0, 3.0]
+    assert [float(accepted.conv_buffer[0, s, 0, 0, 0]) for s in (1, 2, 3)] == [-1.0, 1.0, 3.0]
+    with pytest.raises(ValueError, match=r"accepted \[4\] must give each of the slots \[1\] a count in 0..3"):
+        accepted.accept_drafts([1], [4])
+
+
+def test_the_draft_buffers_travel_through_jit():
+    pool = make_pool().with_draft_tokens(2)
+    leaves = jax.tree.leaves(pool)
+    assert len(leaves) == 4
+    twice = jax.jit(lambda p: p.replace(draft_recurrent_buffer=p.draft_recurrent_buffer + 2))(pool)
+    assert twice.draft_tokens == 2 and float(twice.draft_recurrent_buffer[0, 0, 0, 0, 0, 0]) == 2.0
+    assert type(twice.partition_specs()) is RecurrentStatePool

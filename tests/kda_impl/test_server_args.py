@@ -27,7 +27,13 @@ def _forward(backend: KDAAttnBackend, mode: ForwardMode) -> None:
 def test_every_forward_mode_is_in_the_table() -> None:
     assert set(FORWARD_MODES) == set(ForwardMode)
     served = {mode for mode, refused in FORWARD_MODES.items() if refused is None}
-    assert served == {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.IDLE, ForwardMode.DUMMY_FIRST}
+    assert served == {
+        ForwardMode.EXTEND,
+        ForwardMode.DECODE,
+        ForwardMode.IDLE,
+        ForwardMode.DUMMY_FIRST,
+        ForwardMode.TARGET_VERIFY,
+    }
 
 
 @pytest.mark.parametrize("server_args", [ServerArgs(), ServerArgs(enable_mixed_chunk=True)])
@@ -38,25 +44,28 @@ def test_a_server_without_speculative_decoding_builds_its_backend(server_args: S
     assert set(server_args.flag_modes().values()) <= {(ForwardMode.EXTEND,)}
 
 
-def test_speculative_decoding_is_refused_when_the_backend_is_built() -> None:
+def test_speculative_decoding_is_accepted_when_the_backend_is_built() -> None:
+    # TARGET_VERIFY is served (the serving scenarios SPECULATIVE_EVIDENCE verify it).
     assert SPECULATIVE.flag_modes() == {"speculative_algorithm='EAGLE'": (ForwardMode.TARGET_VERIFY,)}
-    message = (
-        r"^speculative_algorithm='EAGLE' is not supported for KDA models: the scheduler would send "
-        r"TARGET_VERIFY batches, which the KDA backend refuses: speculative decoding is not supported"
-    )
-    with pytest.raises(ValueError, match=message):
-        KDAAttnBackend(server_args=SPECULATIVE)
-    with pytest.raises(ValueError, match=message):
-        SPECULATIVE.check_server_args()
+    KDAAttnBackend(server_args=SPECULATIVE)
+    SPECULATIVE.check_server_args()
 
 
 def test_serving_a_mode_is_its_one_entry_for_the_guard_and_the_forward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    with pytest.raises(NotImplementedError, match=r"^TARGET_VERIFY: speculative decoding is not supported"):
+    monkeypatch.setitem(
+        FORWARD_MODES, ForwardMode.TARGET_VERIFY, RefusedMode(NotImplementedError, "no drafts")
+    )
+    with pytest.raises(NotImplementedError, match=r"^TARGET_VERIFY: no drafts$"):
         _forward(KDAAttnBackend(), ForwardMode.TARGET_VERIFY)
+    message = (
+        r"^speculative_algorithm='EAGLE' .* TARGET_VERIFY batches, which the KDA backend refuses: no drafts$"
+    )
+    with pytest.raises(ValueError, match=message):
+        KDAAttnBackend(server_args=SPECULATIVE)  # refused at start
     monkeypatch.setitem(FORWARD_MODES, ForwardMode.TARGET_VERIFY, None)
-    KDAAttnBackend(server_args=SPECULATIVE)  # now accepted at start
+    KDAAttnBackend(server_args=SPECULATIVE)  # accepted at start
     check_forward_mode(ForwardMode.TARGET_VERIFY)  # and at the forward
 
     monkeypatch.setitem(FORWARD_MODES, ForwardMode.EXTEND, RefusedMode(RuntimeError, "withdrawn"))

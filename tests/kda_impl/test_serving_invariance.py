@@ -127,12 +127,12 @@ def test_idle_returns_zeros_and_leaves_the_pool_alone(runner_for):
         (
             ForwardMode.DRAFT_EXTEND,
             NotImplementedError,
-            "DRAFT_EXTEND: speculative decoding is not supported",
+            "DRAFT_EXTEND: a draft model's extend is not supported",
         ),
         (
             ForwardMode.TARGET_VERIFY,
-            NotImplementedError,
-            "TARGET_VERIFY: speculative decoding is not supported",
+            ValueError,
+            r"TARGET_VERIFY needs the pool's draft buffers: RecurrentStatePool.with_draft_tokens\(k\) first",
         ),
         (ForwardMode.MIXED, ValueError, "MIXED: never reaches a linear-recurrent backend"),
     ],

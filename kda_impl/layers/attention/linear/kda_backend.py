@@ -9,8 +9,13 @@ new states back. `KDAAttnBackend` binds the two kernel entry points to `kda_impl
 | EXTEND | `_dispatch_chunk` over the packed batch (`cu_q_lens`), initial states from the slots |
 | DECODE | `_dispatch_recurrent`, one token per request, states updated in their slots of the whole pool |
 | IDLE / DUMMY_FIRST | zeros; the pool is returned unchanged |
-| DRAFT_EXTEND / TARGET_VERIFY | NotImplementedError (speculative decoding is a non-goal) |
+| TARGET_VERIFY | `_verify`: each request's draft tokens stepped from its slot's states, one output each |
+| DRAFT_EXTEND | NotImplementedError (a draft model's extend: no KDA draft model is served) |
 | MIXED | ValueError: never produced; mixed chunks (`--enable-mixed-chunk`) are scheduled as EXTEND |
+
+A TARGET_VERIFY batch writes the states after each draft token to the pool's draft buffers
+(`RecurrentStatePool.with_draft_tokens`) and leaves every slot as it was, until the scheduler's
+`RecurrentStatePool.accept_drafts` keeps each slot's states after the drafts it accepted.
 
 `FORWARD_MODES` is that table as data, the one definition of what the backend serves: a refused mode
 raises at its first forward (`check_forward_mode`), and a backend built with `server_args`
@@ -36,9 +41,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda_impl.kernels import chunk_kda, decode_kda_slots, kernel_choice
+from kda_impl.kernels import chunk_kda, decode_kda_slots, fused_recurrent_kda, kernel_choice
 from kda_impl.kernels.slots import as_int_array, check_request_slots
-from kda_impl.layers.short_conv import short_conv_with_state
+from kda_impl.layers.short_conv import conv_states_per_token, short_conv_with_state
 from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
 from kda_impl.model_executor.forward_batch import ForwardMode
 
@@ -56,10 +61,10 @@ class RefusedMode:
     reason: str
 
 
-_NO_SPECULATIVE = RefusedMode(
+_NO_DRAFT_MODEL = RefusedMode(
     NotImplementedError,
-    "speculative decoding is not supported by the KDA backend (it keeps no recurrent state per draft "
-    "token to roll a rejected draft back to)",
+    "a draft model's extend is not supported by the KDA backend (KDA serves as the target model: it "
+    "verifies drafts in TARGET_VERIFY batches)",
 )
 
 #: Every ForwardMode and what the linear-recurrent backends do with it: None, they serve it (a branch of
@@ -75,8 +80,8 @@ FORWARD_MODES: dict[ForwardMode, RefusedMode | None] = {
         "never reaches a linear-recurrent backend: mixed chunks (--enable-mixed-chunk) are scheduled as "
         "EXTEND batches, each segment continuing from its own slot",
     ),
-    ForwardMode.DRAFT_EXTEND: _NO_SPECULATIVE,
-    ForwardMode.TARGET_VERIFY: _NO_SPECULATIVE,
+    ForwardMode.DRAFT_EXTEND: _NO_DRAFT_MODEL,
+    ForwardMode.TARGET_VERIFY: None,
 }
 
 
@@ -85,6 +90,15 @@ def check_forward_mode(mode: ForwardMode) -> None:
     refused = FORWARD_MODES[mode]
     if refused is not None:
         raise refused.error(f"{mode.name}: {refused.reason}")
+
+
+def _draft_tokens(pool: RecurrentStatePool) -> int:
+    """The draft tokens per request a TARGET_VERIFY batch steps: the pool's draft buffers' k."""
+    if not pool.draft_tokens:
+        raise ValueError(
+            "TARGET_VERIFY needs the pool's draft buffers: RecurrentStatePool.with_draft_tokens(k) first"
+        )
+    return pool.draft_tokens
 
 
 @jax.tree_util.register_pytree_node_class
@@ -198,7 +212,9 @@ class LinearRecurrentAttnBackend(abc.ABC):
     ) -> tuple[jax.Array, jax.Array]:
         """The layer's causal conv, continuing each request's conv state from its slot.
 
-        Returns `(y [T, 3P], new_conv_state [N, W-1, 3P])`; the new state is written by `forward`.
+        Returns `(y [T, 3P], new_conv_state [N, W-1, 3P])`; the new state is written by `forward`. A
+        TARGET_VERIFY batch's new state is the state after each draft token, `[N, k, W-1, 3P]` (k the
+        pool's `draft_tokens`).
         """
         check_forward_mode(forward_batch.forward_mode)
         metadata = self._metadata()
@@ -206,9 +222,12 @@ class LinearRecurrentAttnBackend(abc.ABC):
             layer.layer_id, metadata.recurrent_indices, padding_rows=True
         )
         num_seqs, history = conv_state.shape[:2]
-        return short_conv_with_state(
-            mixed_qkv, conv_weight, conv_state.reshape(num_seqs, history, -1), metadata.cu_q_lens
-        )
+        conv_state = conv_state.reshape(num_seqs, history, -1)
+        y, new_conv_state = short_conv_with_state(mixed_qkv, conv_weight, conv_state, metadata.cu_q_lens)
+        if forward_batch.forward_mode == ForwardMode.TARGET_VERIFY:
+            steps = _draft_tokens(recurrent_state_pool)
+            return y, conv_states_per_token(mixed_qkv, conv_state, metadata.cu_q_lens, steps)
+        return y, new_conv_state
 
     def forward(
         self,
@@ -219,7 +238,7 @@ class LinearRecurrentAttnBackend(abc.ABC):
         v: jax.Array,  # [T, H, V]
         g: jax.Array,  # [T, H, K] fp32 log decay
         beta: jax.Array,  # [T, H] fp32
-        new_conv_state: jax.Array,  # [N, W-1, 3P] from `apply_short_conv`
+        new_conv_state: jax.Array,  # [N, W-1, 3P] from `apply_short_conv` (TARGET_VERIFY: [N, k, W-1, 3P])
         recurrent_state_pool: RecurrentStatePool,
     ) -> tuple[jax.Array, RecurrentStatePool]:
         """Run the mode's kernel; return `(o [T, H, V] in q's dtype, the pool with the new states)`."""
@@ -227,6 +246,8 @@ class LinearRecurrentAttnBackend(abc.ABC):
         check_forward_mode(mode)
         if mode.is_idle():
             return jnp.zeros(v.shape, q.dtype), recurrent_state_pool
+        if mode == ForwardMode.TARGET_VERIFY:
+            return self._verify(layer, q, k, v, g, beta, new_conv_state, recurrent_state_pool)
         metadata = self._metadata()
         slots = metadata.recurrent_indices
         new_conv_state = new_conv_state.reshape(*new_conv_state.shape[:2], 3, -1)  # the pool's q | k | v
@@ -264,6 +285,44 @@ class LinearRecurrentAttnBackend(abc.ABC):
         pool = recurrent_state_pool.replace(recurrent_buffer=recurrent_buffer)
         return o, pool.set_conv_states(layer.layer_id, slots, new_conv_state, padding_rows=True)
 
+    def _verify(
+        self,
+        layer: RadixLinearAttention,
+        q: jax.Array,  # [T, H, K]
+        k: jax.Array,  # [T, H, K]
+        v: jax.Array,  # [T, H, V]
+        g: jax.Array,  # [T, H, K]
+        beta: jax.Array,  # [T, H]
+        draft_conv: jax.Array,  # [N, k, W-1, 3P] the conv state after each draft token
+        pool: RecurrentStatePool,
+    ) -> tuple[jax.Array, RecurrentStatePool]:
+        """A TARGET_VERIFY batch: each request's draft tokens stepped one at a time from its slot's
+        state (the recurrent kernel, as k decodes step it); `(o [T, H, V], the pool with the states after
+        each draft token in its draft buffers and every slot's own states unchanged)`. Tokens past the
+        pool's k draft tokens of a request (only a padding request has any) get zero outputs."""
+        metadata = self._metadata()
+        slots, cu = metadata.recurrent_indices, metadata.cu_q_lens
+        steps, tokens = _draft_tokens(pool), q.shape[0]
+        state, _ = pool.get_slot_states(layer.layer_id, slots, padding_rows=True)  # [N, H, K, V]
+        lengths = cu[1:] - cu[:-1]
+        single = jnp.arange(slots.shape[0] + 1, dtype=jnp.int32)  # one token per request
+        o, states = jnp.zeros(v.shape, q.dtype), []
+        for j in range(steps):
+            rows = jnp.minimum(cu[:-1] + j, tokens - 1)  # [N] each request's draft token j
+            live = j < lengths
+            o_j, stepped = self._dispatch_chunk_recurrent(
+                q[rows][None], k[rows][None], v[rows][None], g[rows][None], beta[rows][None],
+                initial_state=state, cu_seqlens=single, scale=layer.scaling,
+            )  # fmt: skip
+            state = jnp.where(live[:, None, None, None], stepped, state)
+            states.append(state)
+            o = o.at[jnp.where(live, rows, tokens)].set(o_j[0].astype(q.dtype), mode="drop")
+        draft_conv = draft_conv.reshape(*draft_conv.shape[:3], 3, -1)  # the pool's q | k | v
+        pool = pool.set_draft_states(
+            layer.layer_id, slots, jnp.stack(states, 1), draft_conv, padding_rows=True
+        )
+        return o, pool
+
     def _metadata(self) -> LinearRecurrentAttnBackendMetadata:
         if self.forward_metadata is None:
             raise ValueError("the backend has no forward_metadata: build the batch with make_forward_batch")
@@ -283,6 +342,22 @@ class LinearRecurrentAttnBackend(abc.ABC):
         scale: float,
     ) -> tuple[jax.Array, jax.Array]:
         """Chunked prefill of a packed batch: `(o [1, T, H, V], final_state [N, H, K, V] fp32)`."""
+
+    @abc.abstractmethod
+    def _dispatch_chunk_recurrent(
+        self,
+        q: jax.Array,  # [1, T, H, K]
+        k: jax.Array,  # [1, T, H, K]
+        v: jax.Array,  # [1, T, H, V]
+        g: jax.Array,  # [1, T, H, K]
+        beta: jax.Array,  # [1, T, H]
+        *,
+        initial_state: jax.Array,  # [N, H, K, V] fp32
+        cu_seqlens: jax.Array,  # i32[N+1]
+        scale: float,
+    ) -> tuple[jax.Array, jax.Array]:
+        """The token-recurrent kernel over a packed batch: `(o [1, T, H, V], final_state [N, H, K, V]
+        fp32)`."""
 
     @abc.abstractmethod
     def _dispatch_recurrent(
@@ -355,6 +430,23 @@ class KDAAttnBackend(LinearRecurrentAttnBackend):
             cu_seqlens=cu_seqlens,
             kernel=self.kernel,
         )
+
+    def _dispatch_chunk_recurrent(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        g: jax.Array,
+        beta: jax.Array,
+        *,
+        initial_state: jax.Array,
+        cu_seqlens: jax.Array,
+        scale: float,
+    ) -> tuple[jax.Array, jax.Array]:
+        return fused_recurrent_kda(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
+            cu_seqlens=cu_seqlens, kernel=self.kernel,
+        )  # fmt: skip
 
     def _dispatch_recurrent(
         self,
