@@ -7,8 +7,8 @@ The runs need a sglang-jax checkout (`$SGLANG_JAX`); without one they skip with 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -17,13 +17,12 @@ from conformance.checks import kinds
 from conformance.checks.catalogue import CheckSpec
 from conformance.checks.kinds import Check
 from conformance.checks.runner import RAW_GATE_KERNEL_TRUTH_SOURCE, CheckRunner
+from conformance.dumps.bundled import bundled_golden
 from conformance.dumps.reader import DumpSet
 from conformance.policy import TolerancePolicy
-from conformance.search.dumpcase import CASE_ID, write_case_set
-from conformance.search.space import SearchCase
-from conformance.search.weight_sets import weight_sets
 from examples.sglang_jax.adapter import SglangJaxAdapter
 from kda_spec.config import get_preset
+from kda_spec.synthetic_weights import synthetic_weights
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 needs_checkout = pytest.mark.skipif(
@@ -40,43 +39,62 @@ def test_the_adapter_declares_the_raw_gate_protocol_for_kimi_linear_only() -> No
     assert unserved_family(SglangJaxAdapter, glm) is not None  # every check of a GLM set skips
 
 
-@pytest.fixture(scope="module")
-def kimi_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One Kimi-Linear case (40 + 20 tokens, small initial states) with g_raw, fp32."""
-    weight_set = weight_sets(None, "mini", 0, {"kimi-linear"})["synthetic"]
-    folder = tmp_path_factory.mktemp("sglang-raw-gate") / "set"
-    case = SearchCase("fp32", "synthetic", (40, 20), init="small")
-    write_case_set(str(folder), case, weight_set.weights, weight_set.config, weight_set.source, {})
-    return folder
-
-
 @needs_checkout
-def test_sglang_jax_passes_the_raw_gate_checks(kimi_set: Path) -> None:
+def test_sglang_jax_passes_the_raw_gate_checks_on_golden_t8() -> None:
     runner = CheckRunner(
-        DumpSet(str(kimi_set)),
+        DumpSet(str(bundled_golden())),
         SglangJaxAdapter,
         "auto",
         TolerancePolicy.load(),
         {"sglang_jax": os.environ["SGLANG_JAX"]},
     )
     for kind in kinds.RAW_GATE_KERNEL_KINDS:
-        comparison = runner.run(CheckSpec(CASE_ID, "fp32", Check(kind))).comparison
+        comparison = runner.run(CheckSpec("T8", "fp32", Check(kind))).comparison
         assert comparison.passed, (kind, comparison.verdict)
         assert comparison.attribution.source == RAW_GATE_KERNEL_TRUTH_SOURCE
+
+
+def _adapter(dtype: str) -> SglangJaxAdapter:
+    config = get_preset("mini")
+    return SglangJaxAdapter(
+        config,
+        synthetic_weights(config, seed=0),
+        dtype,
+        options=SglangJaxAdapter.parse_options({"sglang_jax": os.environ["SGLANG_JAX"]}),
+    )
+
+
+@needs_checkout
+def test_its_bf16_decode_gate_is_rounded_to_bf16() -> None:
+    """The finding of examples/sglang_jax/README.md: `_fused_kda_gate` returns the gate in the raw gate's
+    dtype, so in a bf16 run the recurrence decays by a bf16-rounded g (the reference keeps it fp32)."""
+    adapter = _adapter("bf16")
+    heads, dim, tokens = adapter.config.num_heads, adapter.config.head_dim, 6
+    rng = np.random.default_rng(0)
+    q, k, v, g_raw = (rng.standard_normal((tokens, heads, dim)).astype(np.float32) for _ in range(4))
+    q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
+    g_raw = np.asarray(jnp.asarray(g_raw).astype(jnp.bfloat16), np.float32)  # bf16 values, as dumped
+    beta = rng.uniform(0.1, 0.9, (tokens, heads)).astype(np.float32)
+    a_log, dt_bias = (
+        rng.uniform(-1, 1, heads).astype(np.float32),
+        rng.standard_normal(heads * dim).astype(np.float32),
+    )
+    gate = -np.exp(a_log)[:, None] * np.logaddexp(0, g_raw + dt_bias.reshape(heads, dim))
+    cu = np.array([0, tokens])
+    _, state = adapter.recurrent_kernel_raw_gate(q, k, v, g_raw, beta, a_log, dt_bias, None, cu, None)
+    bf16_gate = np.asarray(jnp.asarray(gate, jnp.float32).astype(jnp.bfloat16), np.float32)
+    _, state_bf16_gate = adapter.recurrent_kernel(q, k, v, bf16_gate, beta, cu, None)
+    _, state_fp32_gate = adapter.recurrent_kernel(q, k, v, gate.astype(np.float32), beta, cu, None)
+    np.testing.assert_allclose(state, state_bf16_gate, rtol=1e-6, atol=1e-7)
+    assert np.abs(state - state_fp32_gate).max() > 1e-4
 
 
 @needs_checkout
 def test_its_decode_gate_has_no_lower_bound() -> None:
     """sglang-jax's `_fused_kda_gate` is the softplus gate: a lower bound is a path it lacks (the check
     skips with this reason), raised before anything runs."""
-    config = get_preset("mini")
-    adapter = SglangJaxAdapter(
-        config,
-        weight_sets(None, "mini", 0, {"kimi-linear"})["synthetic"].weights,
-        "fp32",
-        options=SglangJaxAdapter.parse_options({"sglang_jax": os.environ["SGLANG_JAX"]}),
-    )
-    heads, dim = config.num_heads, config.head_dim
+    adapter = _adapter("fp32")
+    heads, dim = adapter.config.num_heads, adapter.config.head_dim
     x = np.zeros((4, heads, dim), np.float32)
     with pytest.raises(NotImplementedError, match=r"_fused_kda_gate\) is the softplus gate only"):
         adapter.recurrent_kernel_raw_gate(
