@@ -11,6 +11,11 @@ and drives its own code wherever it imports:
   l2 norm, Pallas `chunk_kda_fwd` for prefill with the gate in the kernel, `naive_recurrent_kda` for
   decode), with states in a `RecurrentStatePool` and the backend's own `get_forward_metadata`;
 - the kernel checks: `chunk_kda_fwd` (Pallas; interpreted on a CPU) and `naive_recurrent_kda`.
+- the raw-gate kernel checks (`RawGateKernelAdapter`): `chunk_kda_fwd` called as `KDAAttnBackend`'s
+  prefill calls it (`use_gate_in_kernel=True`, `A_log` [H], `dt_bias` [H, K], `safe_gate` its default
+  True; a lower bound L, which no sgl-jax model passes, as `lower_bound=L`), and its decode path:
+  `KDAAttnBackend._fused_kda_gate` then `naive_recurrent_kda` (softplus gate only: a lower bound raises
+  NotImplementedError, so those checks skip).
 - the serving checks (docs/serving.md): one `RecurrentStatePool` (slot 0 its dummy), the slots from its
   `HybridReqToTokenPool`'s free list, each batch laid out as `ScheduleBatch.get_model_worker_batch`
   lays it out (`has_initial_state = prefix_lens > 0` in EXTEND, padding requests on slot 0) and run
@@ -40,8 +45,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from conformance.adapter import KernelAdapter, LayerAdapter, LayerResult, ServingAdapter
+from conformance.adapter import (
+    KernelAdapter,
+    LayerAdapter,
+    LayerResult,
+    RawGateKernelAdapter,
+    ServingAdapter,
+)
 from examples.sglang_jax.layout import check_state, conv_state_to_dump, seq_lens_of, sglang_jax_params
+from kda_spec.families import KIMI_LINEAR
 
 CHECKOUT_OPTION, CHECKOUT_ENV = "sglang_jax", "SGLANG_JAX"
 SERVER_ONLY_MODULES = (
@@ -112,11 +124,15 @@ class SglangCarry:
         return self.recurrent.shape[0]
 
 
-class SglangJaxAdapter(LayerAdapter, KernelAdapter, ServingAdapter):
+class SglangJaxAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingAdapter):
     """sglang-jax's KDA layer and kernels; `kernel` is ignored (its prefill is the Pallas chunk kernel,
     its decode the naive recurrence)."""
 
     name = "sglang-jax"
+    # Kimi-Linear only: its one KDA layer (`KimiDeltaAttention`: three convs, the softplus gate, a decode
+    # gate without a bound) cannot serve a lower-bound family, though its chunk kernel takes a bound
+    # (examples/sglang_jax/README.md, "Families").
+    FAMILIES: ClassVar[frozenset[str]] = frozenset({KIMI_LINEAR.name})
     OPTIONS: ClassVar[Mapping[str, str]] = {
         CHECKOUT_OPTION: f"path of a sglang-jax checkout (default: ${CHECKOUT_ENV})",
         "interpret": "1 or 0: run the Pallas kernels in interpret mode (default: 1 unless on a TPU)",
@@ -139,6 +155,7 @@ class SglangJaxAdapter(LayerAdapter, KernelAdapter, ServingAdapter):
         )
         self._forward = {mode: self._jit_forward(mode) for mode in ("extend", "decode")}
         self._chunk = jax.jit(self._chunk_call)
+        self._chunk_raw_gate = jax.jit(self._chunk_raw_gate_call, static_argnames=("lower_bound",))
 
     @classmethod
     def parse_options(cls, options: Mapping[str, str]) -> dict[str, Any]:
@@ -337,6 +354,81 @@ class SglangJaxAdapter(LayerAdapter, KernelAdapter, ServingAdapter):
             outputs.append(_to_numpy(o[0].astype(self._run_dtype)))
             finals.append(_to_numpy(final[0]))
         return np.concatenate(outputs), np.stack(finals)
+
+    def chunk_kernel_raw_gate(
+        self, q, k, v, g_raw, beta, a_log, dt_bias, lower_bound, cu_seqlens, initial_state
+    ):
+        """`chunk_kda_fwd` as `KDAAttnBackend._forward_extend` calls it: the raw gate g_raw [T, H, K] in the
+        run dtype (the layer's `f_b_proj` output), `use_gate_in_kernel=True`, `A_log` [H] and `dt_bias`
+        [H, K] fp32 (the layer's parameters), `safe_gate` its default (True); with a lower bound L also
+        `lower_bound=L`, which the kernel takes though no sgl-jax model passes it. q, k, v, beta, the
+        states and o as in `chunk_kernel`."""
+        seq_lens = seq_lens_of(cu_seqlens, q.shape[0])
+        state = self._state_or_zeros(initial_state, seq_lens.size)
+        a_log, dt_bias = self._gate_params(a_log, dt_bias)
+        o, final = self._chunk_raw_gate(
+            *(jnp.asarray(x, jnp.float32)[None] for x in (q, k)),
+            *(jnp.asarray(x, jnp.float32).astype(self._run_dtype)[None] for x in (v, g_raw)),
+            jnp.asarray(beta, jnp.float32)[None],
+            jnp.asarray(state),
+            jnp.asarray(cu_seqlens, jnp.int32),
+            jnp.asarray(a_log),
+            jnp.asarray(dt_bias),
+            lower_bound=None if lower_bound is None else float(lower_bound),
+        )
+        return _to_numpy(o[0].astype(self._run_dtype)), _to_numpy(final)
+
+    def _chunk_raw_gate_call(
+        self, q, k, v, g_raw, beta, initial_state, cu_seqlens, a_log, dt_bias, *, lower_bound
+    ):
+        bound = {} if lower_bound is None else {"lower_bound": lower_bound}
+        o, final, *_ = self._sgl.chunk_kda(
+            q,
+            k,
+            v,
+            g_raw,
+            beta,
+            scale=self.config.head_dim**-0.5,
+            initial_state=initial_state,
+            output_final_state=True,
+            cu_seqlens=cu_seqlens,
+            use_gate_in_kernel=True,
+            A_log=a_log,
+            dt_bias=dt_bias,
+            **bound,
+        )
+        return o, final
+
+    def recurrent_kernel_raw_gate(
+        self, q, k, v, g_raw, beta, a_log, dt_bias, lower_bound, cu_seqlens, initial_state
+    ):
+        """sglang-jax's decode path: `KDAAttnBackend._fused_kda_gate` on the raw gate in the run dtype (the
+        softplus gate in fp32, cast back to that dtype: bf16 in the bf16 run), then `naive_recurrent_kda`
+        as in `recurrent_kernel`. Its decode gate has no lower bound: NotImplementedError for one."""
+        if lower_bound is not None:
+            raise NotImplementedError(
+                "sglang-jax's decode gate (KDAAttnBackend._fused_kda_gate) is the softplus gate only: "
+                f"it takes no lower bound (got {lower_bound})"
+            )
+        a_log, dt_bias = self._gate_params(a_log, dt_bias)
+        parameters = types.SimpleNamespace(  # what `_fused_kda_gate` reads of its layer
+            A_log=types.SimpleNamespace(value=jnp.asarray(a_log)),
+            dt_bias=types.SimpleNamespace(value=jnp.asarray(dt_bias)),
+        )
+        g = self._kda_backend._fused_kda_gate(
+            parameters, jnp.asarray(g_raw, jnp.float32).astype(self._run_dtype)
+        )
+        return self.recurrent_kernel(q, k, v, _to_numpy(g), beta, cu_seqlens, initial_state)
+
+    def _gate_params(self, a_log: np.ndarray, dt_bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """a_log [H] and dt_bias [H·K] as the backend passes the layer's: fp32 [H] and [H, K]."""
+        heads, dim = self.config.num_heads, self.config.head_dim
+        a_log, dt_bias = np.asarray(a_log, np.float32), np.asarray(dt_bias, np.float32)
+        if a_log.shape != (heads,):
+            raise ValueError(f"a_log has shape {a_log.shape}, expected ({heads},)")
+        if dt_bias.shape != (heads * dim,):
+            raise ValueError(f"dt_bias has shape {dt_bias.shape}, expected ({heads * dim},)")
+        return a_log, dt_bias.reshape(heads, dim)
 
     def _state_or_zeros(self, initial_state: np.ndarray | None, num_seqs: int) -> np.ndarray:
         if initial_state is None:

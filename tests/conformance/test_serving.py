@@ -11,7 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.adapter import KDAAdapter, LayerAdapter, LayerResult
+from conformance.adapter import (
+    OPTIONAL_SERVING_CALLS,
+    KDAAdapter,
+    LayerAdapter,
+    LayerResult,
+    ServingAdapter,
+    provided_calls,
+)
 from conformance.adapters import serving_defects
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
 from conformance.checks.catalogue import CheckSkipped
@@ -308,10 +315,18 @@ def _search(
     return code, json.loads((tmp_path / "serving-search.json").read_text())
 
 
+class OneTokenSegmentAsNewWithoutVerbs(serving_defects.OneTokenSegmentAsNew):
+    """The defect on an adapter that defines none of the optional verbs: the search draws the schedules of
+    the serving protocol alone (tests/conformance/test_serving_verbs.py searches with the verbs)."""
+
+    serving_copy = ServingAdapter.serving_copy
+    serving_load = ServingAdapter.serving_load
+    serving_accept = ServingAdapter.serving_accept
+
+
 def test_the_serving_search_finds_a_seeded_defect_and_writes_a_replayable_shrunk_schedule(tmp_path):
-    code, report = _search(
-        tmp_path, serving_defects.OneTokenSegmentAsNew, budget_s=150.0, shrink_budget_s=60.0
-    )
+    assert not set(OPTIONAL_SERVING_CALLS) & provided_calls(OneTokenSegmentAsNewWithoutVerbs)
+    code, report = _search(tmp_path, OneTokenSegmentAsNewWithoutVerbs, budget_s=90.0, shrink_budget_s=60.0)
     assert code == 1 and report["found"], report
     (found,) = load_scenarios(tmp_path / "scenarios.json")
     assert len(found.request_tokens) <= 2 and len(found.forwards) <= 3, found  # shrunk
