@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conformance.adapter import KernelAdapter, LayerAdapter, LayerResult, RawGateKernelAdapter, ServingAdapter
-from conformance.adapters.kda_impl_serving import MIN_DRAFT_TOKENS, KDAImplServing
+from conformance.adapters.kda_impl_serving import MIN_DRAFT_TOKENS, REQUEST_BUCKET, KDAImplServing
 from kda_impl.kernels import chunk_kda, fused_recurrent_kda
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
@@ -85,11 +85,6 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingA
         self._forward = jit_forward(module, return_intermediates=True)
         self._pool: RecurrentStatePool | None = None
         self._serving: KDAImplServing | None = None
-        self._chunk = jax.jit(functools.partial(chunk_kda, output_final_state=True, kernel=self._kernel))
-        self._recurrent = jax.jit(
-            functools.partial(fused_recurrent_kda, output_final_state=True, kernel=self._kernel)
-        )
-        self._raw_gate_kernels: dict[tuple[str, float | None], Callable[..., Any]] = {}
 
     def _new_layer(self, weights: Mapping[str, np.ndarray], source: str) -> KimiDeltaAttention:
         """The layer holding `weights` (named in errors as `source`), on this adapter's mesh, in its run
@@ -187,6 +182,7 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingA
                 [pool.get_recurrent_indices(rank_slots, rank) for rank, rank_slots in enumerate(slots)],
                 num_slots=pool.num_slots,
                 min_tokens=token_bucket(max(int(seq_lens[seqs].sum()) for seqs in ranks)),
+                min_requests=REQUEST_BUCKET,
             )
             # Each sequence's pool row, and each token's row of the batch, in the caller's order.
             pool_rows = np.empty(num_seqs, np.int32)
@@ -229,7 +225,7 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingA
                 self._run_dtype,
                 layer_ids=(self._layer_idx,),
                 mesh=self._mesh,
-            )
+            ).with_draft_tokens(MIN_DRAFT_TOKENS)  # as the serving pool: their programs are the same
         return self._pool
 
     # --- serving (docs/serving.md) -------------------------------------------------------------------
@@ -274,42 +270,26 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingA
     # --- kernels --------------------------------------------------------------------------------------
 
     def chunk_kernel(self, q, k, v, g, beta, cu_seqlens, initial_state):
-        return self._kernel_call(self._chunk, q, k, v, g, beta, cu_seqlens, initial_state)
+        kernel = jitted_kernel("chunk", self._kernel)
+        return self._kernel_call(kernel, q, k, v, g, beta, cu_seqlens, initial_state)
 
     def recurrent_kernel(self, q, k, v, g, beta, cu_seqlens, initial_state):
-        return self._kernel_call(self._recurrent, q, k, v, g, beta, cu_seqlens, initial_state)
+        kernel = jitted_kernel("fused_recurrent", self._kernel)
+        return self._kernel_call(kernel, q, k, v, g, beta, cu_seqlens, initial_state)
 
     def chunk_kernel_raw_gate(
         self, q, k, v, g_raw, beta, a_log, dt_bias, lower_bound, cu_seqlens, initial_state
     ):
-        kernel = self._raw_gate_kernel("chunk", lower_bound)
+        kernel = jitted_kernel("chunk", self._kernel, raw_gate=True, lower_bound=lower_bound)
         gate = {"A_log": a_log, "dt_bias": dt_bias}
         return self._kernel_call(kernel, q, k, v, g_raw, beta, cu_seqlens, initial_state, gate)
 
     def recurrent_kernel_raw_gate(
         self, q, k, v, g_raw, beta, a_log, dt_bias, lower_bound, cu_seqlens, initial_state
     ):
-        kernel = self._raw_gate_kernel("fused_recurrent", lower_bound)
+        kernel = jitted_kernel("fused_recurrent", self._kernel, raw_gate=True, lower_bound=lower_bound)
         gate = {"A_log": a_log, "dt_bias": dt_bias}
         return self._kernel_call(kernel, q, k, v, g_raw, beta, cu_seqlens, initial_state, gate)
-
-    def _raw_gate_kernel(self, path: str, lower_bound: float | None) -> Callable[..., Any]:
-        """The jitted `path` kernel taking the raw gate, `A_log` [H] and `dt_bias` [H·K] (fla's
-        `use_gate_in_kernel=True`), for the gate with lower bound `lower_bound` (None: softplus); built
-        once per (path, lower bound)."""
-        key = (path, lower_bound)
-        if key not in self._raw_gate_kernels:
-            kernel = chunk_kda if path == "chunk" else fused_recurrent_kda
-            self._raw_gate_kernels[key] = jax.jit(
-                functools.partial(
-                    kernel,
-                    use_gate_in_kernel=True,
-                    lower_bound=lower_bound,
-                    output_final_state=True,
-                    kernel=self._kernel,
-                )
-            )
-        return self._raw_gate_kernels[key]
 
     def _kernel_call(
         self,
@@ -353,6 +333,20 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingA
         )
         o = np.asarray(o)[0, :tokens].astype(run_dtype)
         return _to_numpy(o), _to_numpy(np.asarray(final)[:num_seqs])
+
+
+@functools.cache
+def jitted_kernel(
+    path: str, kernel: str | None, *, raw_gate: bool = False, lower_bound: float | None = None
+) -> Callable[..., Any]:
+    """kda_impl's jitted `path` kernel ("chunk" or "fused_recurrent") on `kernel` (None: the
+    dispatcher's choice), returning the final state; with `raw_gate`, taking the raw gate, `A_log` [H] and
+    `dt_bias` [H·K] (fla's `use_gate_in_kernel=True`) for the gate of lower bound `lower_bound` (None:
+    softplus). One per process and set of arguments, so that every adapter (the fp32 and the bf16 run's)
+    shares its compilations: the kernel checks feed it fp32 in both runs."""
+    function = {"chunk": chunk_kda, "fused_recurrent": fused_recurrent_kda}[path]
+    gate = {"use_gate_in_kernel": True, "lower_bound": lower_bound} if raw_gate else {}
+    return jax.jit(functools.partial(function, output_final_state=True, kernel=kernel, **gate))
 
 
 def token_bucket(tokens: int) -> int:

@@ -19,7 +19,6 @@ import numpy as np
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
 from kda_impl.model_executor.forward_batch import (
-    MIN_REQUEST_BUCKET,
     MIN_TOKEN_BUCKET,
     ForwardBatch,
     ForwardMode,
@@ -34,6 +33,10 @@ SERVING_MODES = {
     "verify": ForwardMode.TARGET_VERIFY,
 }
 MIN_DRAFT_TOKENS = 4  # the smallest draft buffers a verify opens (one compilation per power of two)
+# The smallest request bucket of every batch the adapter builds, its layer calls' and its serving
+# forwards': the fixed scenarios' largest batch (8 requests and the padding one) fits, so that a layer
+# call and a scheduled batch of one mode and token bucket are one compiled program.
+REQUEST_BUCKET = 16
 
 
 class KDAImplServing:
@@ -103,7 +106,7 @@ class KDAImplServing:
         padding_rows: int,
     ) -> ForwardBatch:
         """The padded batch of N requests and `padding_rows` (`rows` in all), as the engine builds it."""
-        min_requests = bucket(len(seq_lens) + padding_rows + 1, MIN_REQUEST_BUCKET)
+        min_requests = bucket(len(seq_lens) + padding_rows + 1, REQUEST_BUCKET)
         return make_forward_batch(
             self.backend,
             forward_mode,

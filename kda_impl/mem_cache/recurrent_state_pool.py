@@ -2,7 +2,10 @@
 
 The buffers are pytree children, so a jitted forward takes the pool as a (donated) argument and returns
 the updated one. Slot bookkeeping (`alloc` / `free`) is host-side: one allocator per data rank, shared by
-every functional copy of the pool (they are the pool's static aux data).
+every functional copy of the pool (`replace`). The allocators are not part of the pytree: its static data
+is the pool's shape (`SlotLayout`), so that every pool of one shape shares the compiled programs. A pool
+that comes out of a jax transformation holds no allocators until `with_allocators_of` gives it those of
+the pool that went in (`kimi_linear.jit_forward` does); its host-side slot methods refuse until then.
 
 On a mesh (`kda_impl.parallel`) the buffers are sharded along heads over `tensor` and along slots over
 `data`: data rank r owns the rows `r * (num_slots + 1) + [0, num_slots]`, row 0 of its block being its
@@ -16,6 +19,7 @@ to the dummy slot, so that it reads and writes no real request's state.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -47,6 +51,14 @@ DRAFT_RECURRENT_SPEC = PartitionSpec(None, DATA_AXIS, None, TENSOR_AXIS, None, N
 DRAFT_CONV_SPEC = PartitionSpec(None, DATA_AXIS, None, None, None, TENSOR_AXIS)  # [L, slots, k, W-1, 3, P]
 
 
+@dataclasses.dataclass(frozen=True)
+class SlotLayout:
+    """A pool's slot shape, its pytree's static data: real slots per data rank, and data ranks."""
+
+    num_slots: int
+    dp_size: int
+
+
 @jax.tree_util.register_pytree_node_class
 class RecurrentStatePool:
     """Recurrent + conv state buffers of the KDA layers `layer_ids`, one slot per live request.
@@ -72,14 +84,20 @@ class RecurrentStatePool:
         recurrent_buffer: jax.Array,  # [L, dp * (slots+1), H, D, D] fp32
         conv_buffer: jax.Array,  # [L, dp * (slots+1), W-1, 3, P]
         layer_ids: tuple[int, ...],
-        allocators: tuple[SlotAllocator, ...],  # one per data rank
+        allocators: tuple[SlotAllocator, ...] | SlotLayout,  # one per data rank; a layout: none yet
         draft_recurrent_buffer: jax.Array | None = None,  # [L, dp * (slots+1), k, H, D, D] fp32
         draft_conv_buffer: jax.Array | None = None,  # [L, dp * (slots+1), k, W-1, 3, P]
     ):
         self.recurrent_buffer = recurrent_buffer
         self.conv_buffer = conv_buffer
         self.layer_ids = layer_ids
-        self.allocators = allocators
+        if isinstance(allocators, SlotLayout):
+            self.layout, self.allocators = allocators, None
+        else:
+            sizes = {allocator.num_slots for allocator in allocators}
+            if len(allocators) < 1 or len(sizes) != 1:
+                raise ValueError(f"a pool needs one allocator per data rank, all of one size; got {sizes}")
+            self.layout, self.allocators = SlotLayout(sizes.pop(), len(allocators)), tuple(allocators)
         self.draft_recurrent_buffer = draft_recurrent_buffer
         self.draft_conv_buffer = draft_conv_buffer
 
@@ -116,39 +134,48 @@ class RecurrentStatePool:
         recurrent_shape = (num_layers, rows, h, d, d)
         conv_shape = (num_layers, rows, config.conv_size - 1, 3, config.proj_dim)
 
-        def zeros() -> tuple[jax.Array, jax.Array]:
-            return jnp.zeros(recurrent_shape, jnp.float32), jnp.zeros(conv_shape, dtype)
-
-        if mesh is None:
-            recurrent, conv = zeros()
-        else:
+        shardings = None
+        if mesh is not None:
             shardings = (NamedSharding(mesh, RECURRENT_SPEC), NamedSharding(mesh, CONV_SPEC))
-            recurrent, conv = jax.jit(zeros, out_shardings=shardings)()
+        recurrent, conv = _zero_buffers(recurrent_shape, conv_shape, jnp.dtype(dtype), shardings)()
         allocators = tuple(SlotAllocator(num_slots) for _ in range(dp))
         return cls(recurrent, conv, layer_ids, allocators)
 
     def partition_specs(self) -> RecurrentStatePool:
         """This pool's tree with the `PartitionSpec` of each buffer (for `shard_map`)."""
         drafts = (DRAFT_RECURRENT_SPEC, DRAFT_CONV_SPEC) if self.draft_tokens else (None, None)
-        return type(self)(RECURRENT_SPEC, CONV_SPEC, self.layer_ids, self.allocators, *drafts)
+        return type(self)(RECURRENT_SPEC, CONV_SPEC, self.layer_ids, self.layout, *drafts)
 
     # --- pytree -------------------------------------------------------------------------------------
 
-    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[tuple[int, ...], tuple[SlotAllocator, ...]]]:
+    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[tuple[int, ...], SlotLayout]]:
         children = (
             self.recurrent_buffer,
             self.conv_buffer,
             self.draft_recurrent_buffer,
             self.draft_conv_buffer,
         )
-        return children, (self.layer_ids, self.allocators)
+        return children, (self.layer_ids, self.layout)
 
     @classmethod
-    def tree_unflatten(
-        cls, aux: tuple[tuple[int, ...], tuple[SlotAllocator, ...]], children: tuple
-    ) -> RecurrentStatePool:
+    def tree_unflatten(cls, aux: tuple[tuple[int, ...], SlotLayout], children: tuple) -> RecurrentStatePool:
+        """The pool without allocators (`with_allocators_of` gives them back)."""
         recurrent, conv, *drafts = children
         return cls(recurrent, conv, *aux, *drafts)
+
+    def with_allocators_of(self, source: RecurrentStatePool) -> RecurrentStatePool:
+        """This pool's buffers with the allocators of `source`, the pool a jax transformation took in
+        (ValueError when their layers or slot layouts differ)."""
+        if (source.layer_ids, source.layout) != (self.layer_ids, self.layout) or source.allocators is None:
+            raise ValueError(
+                f"with_allocators_of: the source pool (layers {source.layer_ids}, {source.layout}, "
+                f"allocators {'none' if source.allocators is None else 'held'}) cannot give its allocators "
+                f"to a pool of layers {self.layer_ids}, {self.layout}"
+            )
+        return type(self)(
+            self.recurrent_buffer, self.conv_buffer, self.layer_ids, source.allocators,
+            self.draft_recurrent_buffer, self.draft_conv_buffer,
+        )  # fmt: skip
 
     _BUFFERS = ("recurrent_buffer", "conv_buffer", "draft_recurrent_buffer", "draft_conv_buffer")
 
@@ -159,7 +186,7 @@ class RecurrentStatePool:
         if unknown:
             raise TypeError(f"a pool has no buffer(s) {unknown}")
         recurrent, conv, *drafts = (buffers.get(name, getattr(self, name)) for name in self._BUFFERS)
-        return type(self)(recurrent, conv, self.layer_ids, self.allocators, *drafts)
+        return type(self)(recurrent, conv, self.layer_ids, self.allocators or self.layout, *drafts)
 
     # --- speculative decoding: the draft buffers ------------------------------------------------------
 
@@ -274,12 +301,12 @@ class RecurrentStatePool:
     @property
     def num_slots(self) -> int:
         """Real slots per data rank (1..num_slots); each rank's block has one more row, its dummy slot 0."""
-        return self.allocators[0].num_slots
+        return self.layout.num_slots
 
     @property
     def dp_size(self) -> int:
         """Data ranks: blocks of `num_slots + 1` rows along the slot axis."""
-        return len(self.allocators)
+        return self.layout.dp_size
 
     def alloc(self, n: int, dp_rank: int = 0) -> np.ndarray:
         """Reserve `n` free slots of data rank `dp_rank`, zero their states in every layer, and return
@@ -336,6 +363,11 @@ class RecurrentStatePool:
 
     def _allocator(self, dp_rank: int) -> SlotAllocator:
         self._check_rank(dp_rank)
+        if self.allocators is None:
+            raise ValueError(
+                "this pool came out of a jax transformation, which carries its buffers and not its slot "
+                "allocators: give it those of the pool that went in, pool.with_allocators_of(that_pool)"
+            )
         return self.allocators[dp_rank]
 
     # --- per-layer access (jit-friendly) ------------------------------------------------------------
@@ -481,6 +513,22 @@ def _check_new_states(name: str, layout: str, new: jax.Array, buffer: jax.Array,
     expected = (n, *buffer.shape[2:])
     if new.shape != expected:
         raise ValueError(f"{name} must be {layout.format(n=n)}={expected}, got {new.shape}")
+
+
+@functools.cache
+def _zero_buffers(
+    recurrent_shape: tuple[int, ...],
+    conv_shape: tuple[int, ...],
+    dtype: np.dtype,
+    shardings: tuple[NamedSharding, NamedSharding] | None,
+) -> Any:
+    """A function making a pool's zeroed buffers (fp32 recurrent, `dtype` conv), created in place with
+    `shardings`; one per pool shape, so that a new pool of a known shape compiles nothing."""
+
+    def zeros() -> tuple[jax.Array, jax.Array]:
+        return jnp.zeros(recurrent_shape, jnp.float32), jnp.zeros(conv_shape, dtype)
+
+    return zeros if shardings is None else jax.jit(zeros, out_shardings=shardings)
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))

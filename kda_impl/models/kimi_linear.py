@@ -352,7 +352,8 @@ def jit_forward(
 
     Returns `step(hidden_states [T, hidden], forward_batch, pool) -> (out, pool[, intermediates])`. The
     parameters are captured now: reload weights → call `jit_forward` again. Compiles once per bucket of
-    `make_forward_batch` (and per forward mode). The pool passed in is consumed: use the returned one.
+    `make_forward_batch` (and per forward mode), shared by every pool of one shape (`SlotLayout`). The pool
+    passed in is consumed: use the returned one, which holds the same allocators.
     Host arrays are fine as hidden states and batch, also in a multi-process run, where every process
     passes the same values.
     """
@@ -369,4 +370,8 @@ def jit_forward(
             return_intermediates=return_intermediates,
         )
 
-    return functools.partial(step, params)
+    def forward(hidden_states, forward_batch, pool: RecurrentStatePool) -> tuple[Any, ...]:
+        out, new_pool, *rest = step(params, hidden_states, forward_batch, pool)
+        return (out, new_pool.with_allocators_of(pool), *rest)  # the allocators stay on the host
+
+    return forward

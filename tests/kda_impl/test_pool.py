@@ -125,20 +125,47 @@ def test_set_layer_cache_checks_state_shapes():
         pool.set_linear_recurrent_layer_cache(0, slots, jnp.zeros((2, 2, 64, 64)), jnp.zeros((2, 3, 384)))
 
 
-def test_pytree_keeps_the_allocator_and_updates_under_jit():
+def test_pytree_carries_the_buffers_and_the_allocators_come_back_after_jit():
     pool = make_pool(num_slots=4)
     slots = pool.alloc(2)
     leaves = jax.tree_util.tree_leaves(pool)
-    assert len(leaves) == 2  # the two buffers; bookkeeping is static
+    assert len(leaves) == 2  # the two buffers; bookkeeping is host-side
 
     @jax.jit
     def write(pool: RecurrentStatePool) -> RecurrentStatePool:
         return fill(pool, 3, [1, 2], 1.0)
 
-    new_pool = write(pool)
+    out = write(pool)
+    assert out.allocators is None
+    with pytest.raises(ValueError, match=r"came out of a jax transformation, .*with_allocators_of\("):
+        out.alloc(1)
+    new_pool = out.with_allocators_of(pool)
     assert new_pool.allocators is pool.allocators
     assert new_pool.alloc(1).tolist() == [3]  # the copy shares the free list
     assert np.all(np.asarray(new_pool.get_linear_recurrent_layer_cache(3)[0])[slots] == 1)
+
+
+def test_pools_of_one_shape_share_a_compilation():
+    """Two pools (two allocators) of one shape are one jit cache entry: a new pool per request batch or
+    per serving session compiles nothing new."""
+    traces = []
+
+    @jax.jit
+    def write(pool: RecurrentStatePool) -> RecurrentStatePool:
+        traces.append(1)
+        return fill(pool, 3, [1], 1.0)
+
+    for _ in range(2):
+        pool = make_pool(num_slots=4)
+        pool.alloc(1)
+        write(pool)
+    assert len(traces) == 1
+
+
+def test_with_allocators_of_refuses_another_shape():
+    small, large = make_pool(num_slots=2), make_pool(num_slots=4)
+    with pytest.raises(ValueError, match=r"cannot give its allocators"):
+        large.with_allocators_of(small)
 
 
 def test_create_needs_kda_layers():

@@ -306,20 +306,27 @@ class LinearRecurrentAttnBackend(abc.ABC):
         state, _ = pool.get_slot_states(layer.layer_id, slots, padding_rows=True)  # [N, H, K, V]
         lengths = cu[1:] - cu[:-1]
         single = jnp.arange(slots.shape[0] + 1, dtype=jnp.int32)  # one token per request
-        o, states = jnp.zeros(v.shape, q.dtype), []
-        for j in range(steps):
-            rows = jnp.minimum(cu[:-1] + j, tokens - 1)  # [N] each request's draft token j
+
+        def draft_step(state: jax.Array, j: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+            """Every request's draft token j: state [N, H, K, V] → (state after it, (that state,
+            o [N, H, V], its rows i32[N], whether each request has a token j bool[N]))."""
+            rows = jnp.minimum(cu[:-1] + j, tokens - 1)
             live = j < lengths
             o_j, stepped = self._dispatch_chunk_recurrent(
                 q[rows][None], k[rows][None], v[rows][None], g[rows][None], beta[rows][None],
                 initial_state=state, cu_seqlens=single, scale=layer.scaling,
             )  # fmt: skip
             state = jnp.where(live[:, None, None, None], stepped, state)
-            states.append(state)
-            o = o.at[jnp.where(live, rows, tokens)].set(o_j[0].astype(q.dtype), mode="drop")
+            return state, (state, o_j[0], rows, live)
+
+        # One traced step for all k (a scan): compiling k unrolled steps costs k times as much.
+        _, (states, o_steps, rows, live) = jax.lax.scan(draft_step, state, jnp.arange(steps))
+        o = jnp.zeros(v.shape, q.dtype).at[jnp.where(live, rows, tokens).reshape(-1)].set(
+            o_steps.reshape(-1, *v.shape[1:]).astype(q.dtype), mode="drop"
+        )
         draft_conv = draft_conv.reshape(*draft_conv.shape[:3], 3, -1)  # the pool's q | k | v
         pool = pool.set_draft_states(
-            layer.layer_id, slots, jnp.stack(states, 1), draft_conv, padding_rows=True
+            layer.layer_id, slots, jnp.moveaxis(states, 0, 1), draft_conv, padding_rows=True
         )
         return o, pool
 
