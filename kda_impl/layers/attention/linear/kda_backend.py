@@ -321,8 +321,10 @@ class LinearRecurrentAttnBackend(abc.ABC):
 
         # One traced step for all k (a scan): compiling k unrolled steps costs k times as much.
         _, (states, o_steps, rows, live) = jax.lax.scan(draft_step, state, jnp.arange(steps))
-        o = jnp.zeros(v.shape, q.dtype).at[jnp.where(live, rows, tokens).reshape(-1)].set(
-            o_steps.reshape(-1, *v.shape[1:]).astype(q.dtype), mode="drop"
+        o = (
+            jnp.zeros(v.shape, q.dtype)
+            .at[jnp.where(live, rows, tokens).reshape(-1)]
+            .set(o_steps.reshape(-1, *v.shape[1:]).astype(q.dtype), mode="drop")
         )
         draft_conv = draft_conv.reshape(*draft_conv.shape[:3], 3, -1)  # the pool's q | k | v
         pool = pool.set_draft_states(
