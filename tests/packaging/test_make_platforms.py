@@ -76,9 +76,12 @@ def test_conform_checks_both_golden_sets_unless_dumps_names_one(tmp_path: Path) 
         if "-m conformance" in line
     ]
     assert len(runs) == 2
-    assert "--dumps golden --kernel auto --report-dir reports" in runs[0]
-    assert "--dumps golden-glm5-next --cases varlen_initstate varlen_70_3 --kernel auto" in runs[1]
-    assert "--report-dir reports/golden-glm5-next" in runs[1]
+    glm, golden = sorted(runs, key=lambda line: "glm5-next" not in line)
+    assert "--dumps golden --kernel auto --report-dir reports" in golden
+    assert "--dumps golden-glm5-next  --kernel auto" in glm  # every case, the serving scenarios too
+    assert "--report-dir reports/golden-glm5-next > reports/golden-glm5-next.log 2>&1 &" in glm
+    script = _make_n(tmp_path, "conform", "PLATFORM=cpu").stdout
+    assert script.index("& glm=$!") < script.index("--dumps golden --kernel") < script.index("wait $glm")
     done = _make_n(tmp_path, "conform", "PLATFORM=cpu", "DUMPS=other", "REPORT_DIR=out")
     runs = [line for line in done.stdout.splitlines() if "-m conformance" in line]
     assert len(runs) == 1 and "--dumps other --kernel auto --report-dir out" in runs[0]
