@@ -22,9 +22,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conformance.adapter import KernelAdapter, LayerAdapter, LayerResult, RawGateKernelAdapter, ServingAdapter
+from conformance.adapter import (
+    CheckpointKernelAdapter,
+    KernelAdapter,
+    LayerAdapter,
+    LayerResult,
+    RawGateKernelAdapter,
+    ServingAdapter,
+)
 from conformance.adapters.kda_impl_serving import MIN_DRAFT_TOKENS, KDAImplServing
-from kda_impl.kernels import chunk_kda, fused_recurrent_kda
+from kda_impl.kernels import chunk_kda, fused_recurrent_kda, resolve_kernel
+from kda_impl.kernels.chunk import CHUNK_SIZE as PLAIN_CHUNK_SIZE
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
 from kda_impl.model_executor.forward_batch import (
@@ -39,6 +47,7 @@ from kda_impl.models.kimi_linear import KimiDeltaAttention, jit_forward
 from kda_impl.parallel import make_mesh, mesh_sizes
 from kda_impl.weights import layer_from_hf_weights
 from kda_spec.families import FAMILIES
+from kda_spec.truth import chunk_starts
 
 RUN_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 
@@ -55,7 +64,9 @@ class KDACarry:
         return self.recurrent.shape[0]
 
 
-class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingAdapter):
+class KDAImplAdapter(
+    LayerAdapter, KernelAdapter, RawGateKernelAdapter, CheckpointKernelAdapter, ServingAdapter
+):
     """kda_impl under test; `kernel` is 'auto' (the dispatcher's choice), 'naive' or 'pallas'; the options
     `tp` and `dp` size the mesh."""
 
@@ -85,7 +96,19 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingA
         self._forward = jit_forward(module, return_intermediates=True)
         self._pool: RecurrentStatePool | None = None
         self._serving: KDAImplServing | None = None
-        self._chunk = jax.jit(functools.partial(chunk_kda, output_final_state=True, kernel=self._kernel))
+        # The chunk kernel of the kernel checks returns its state entering every chunk too (fla's
+        # `return_intermediate_states`: the same o and final states, to the bit on golden): one program
+        # serves `chunk_kernel` and `chunk_kernel_checkpoints`.
+        self._chunk_size = default_chunk_size(self._kernel)
+        self._chunk = jax.jit(
+            functools.partial(
+                chunk_kda,
+                output_final_state=True,
+                return_intermediate_states=True,
+                chunk_size=self._chunk_size,
+                kernel=self._kernel,
+            )
+        )
         self._recurrent = jax.jit(
             functools.partial(fused_recurrent_kda, output_final_state=True, kernel=self._kernel)
         )
@@ -311,9 +334,24 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingA
             )
         return self._raw_gate_kernels[key]
 
+    def chunk_kernel_checkpoints(self, q, k, v, g, beta, cu_seqlens, initial_state, chunk_size):
+        """The states `chunk_kernel`'s program returns (fla's `h`, every `self._chunk_size` tokens) at the
+        starts of the chunks of `chunk_size` tokens: every (chunk_size / own chunk size)-th of them."""
+        own = self._chunk_size
+        if chunk_size % own:
+            raise NotImplementedError(
+                f"kda_impl's chunk kernel here returns its states every {own} tokens: no checkpoints every "
+                f"{chunk_size}"
+            )
+        _, _, h = self._on_buckets(self._chunk, q, k, v, g, beta, cu_seqlens, initial_state)
+        # h [1, NC, H, D, D]: the real sequences' chunks first, in fla's order, then the padding's.
+        lens = np.diff(cu_seqlens).tolist()
+        index = {start: row for row, start in enumerate(chunk_starts(lens, own))}
+        return _to_numpy(np.asarray(h)[0, [index[start] for start in chunk_starts(lens, chunk_size)]])
+
     def _kernel_call(
         self,
-        kernel: Callable[..., tuple[jax.Array, jax.Array]],
+        kernel: Callable[..., tuple[jax.Array, ...]],  # (o, final state[, h])
         q: np.ndarray,  # [T, H, D] l2-normalised
         k: np.ndarray,  # [T, H, D] l2-normalised
         v: np.ndarray,  # [T, H, D]
@@ -327,12 +365,30 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingA
         run dtype and held in fp32 (the kernel upcasts it exactly, so one compiled kernel serves both runs),
         g, beta and the states fp32; o rounded to the run dtype, as the reference kernel returns it. With
         `gate`, `g` is the raw gate and the kernel takes the gate's parameters as keywords."""
+        o, final, *_ = self._on_buckets(kernel, q, k, v, g, beta, cu_seqlens, initial_state, gate)
+        tokens, num_seqs = q.shape[0], len(cu_seqlens) - 1
+        o = np.asarray(o)[0, :tokens].astype(np.dtype(self._run_dtype))
+        return _to_numpy(o), _to_numpy(np.asarray(final)[:num_seqs])
+
+    def _on_buckets(
+        self,
+        kernel: Callable[..., tuple[jax.Array, ...]],
+        q: np.ndarray,  # [T, H, D] l2-normalised
+        k: np.ndarray,  # [T, H, D] l2-normalised
+        v: np.ndarray,  # [T, H, D]
+        g: np.ndarray,  # [T, H, D] fp32: the log decay, or the raw gate with `gate`
+        beta: np.ndarray,  # [T, H] fp32
+        cu_seqlens: np.ndarray,  # i32[N+1]
+        initial_state: np.ndarray | None,  # [N, H, D, D] fp32
+        gate: Mapping[str, np.ndarray] | None = None,  # the raw gate's A_log [H] and dt_bias [H·D], fp32
+    ) -> tuple[jax.Array, ...]:
+        """`kernel`'s results on the call padded to the buckets (`_kernel_call`'s inputs): its real
+        tokens and sequences first, then the padding's."""
         seq_lens = seq_lens_from_cu_seqlens(cu_seqlens, q.shape[0])  # the jitted kernel cannot check values
         tokens, num_seqs = q.shape[0], seq_lens.size
         # Conversions in numpy (bf16 casts round to nearest even, as XLA's): on the device each one would
         # be one more small executable to compile per shape.
-        run_dtype = np.dtype(self._run_dtype)
-        v = np.asarray(v, np.float32).astype(run_dtype).astype(np.float32)
+        v = np.asarray(v, np.float32).astype(np.dtype(self._run_dtype)).astype(np.float32)
         # Padded to the layer's buckets, as the layer's prefill is padded, so that the kernel compiles once
         # per bucket pair, not per case: the padding tokens (zeros: they leave a state unchanged) form one
         # padding sequence, the other padding sequences are empty; their results are dropped. A missing
@@ -348,11 +404,17 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingA
         cu = np.full(padded_seqs + 1, padded_tokens, np.int32)
         cu[: num_seqs + 1] = cu_seqlens
         parameters = {name: np.asarray(value, np.float32) for name, value in (gate or {}).items()}
-        o, final = kernel(
-            q, k, v, g, beta, initial_state=_padded(init, padded_seqs), cu_seqlens=cu, **parameters
-        )
-        o = np.asarray(o)[0, :tokens].astype(run_dtype)
-        return _to_numpy(o), _to_numpy(np.asarray(final)[:num_seqs])
+        return kernel(q, k, v, g, beta, initial_state=_padded(init, padded_seqs), cu_seqlens=cu, **parameters)
+
+
+def default_chunk_size(kernel: str | None) -> int:
+    """The tokens per chunk kda_impl's `chunk_kda` runs with by default under `kernel` (None: auto): the
+    plain-JAX kernel's (32, the fastest on XLA:CPU) or the Pallas kernel's (64, fla's)."""
+    if resolve_kernel(kernel) == "pallas":
+        from kda_impl.kernels.pallas.tuning import CHUNK_SIZE as PALLAS_CHUNK_SIZE
+
+        return PALLAS_CHUNK_SIZE
+    return PLAIN_CHUNK_SIZE
 
 
 def token_bucket(tokens: int) -> int:
