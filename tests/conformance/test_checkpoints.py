@@ -7,6 +7,7 @@ them as a state defect of the kernel stage; an adapter without the protocol skip
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,7 @@ from tests.conformance.checkpoint_adapters import CheckpointOneChunkLate
 from tests.conformance.kernel_only_adapter import KernelOnlyAdapter
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+ADAPTERS_DOC = Path(__file__).resolve().parents[2] / "docs" / "adapters.md"
 CHECKPOINTS = Check(kinds.KERNEL_CHUNK_CHECKPOINTS)
 SEQ_LENS = (150, 64, 30)  # 3, 1 and 1 chunks of 64: a partial last chunk, a whole one, a short sequence
 # (weight set, run): Kimi-Linear in both runs, GLM's lower-bound gate at L = -3.
@@ -101,6 +103,24 @@ def test_checkpoints_one_chunk_late_fail_it_as_a_state_defect_of_the_kernel(case
     assert defects == [
         ("kernel-chunk-checkpoints", "the chunk kernel's checkpoints (its state entering every chunk)")
     ]
+
+
+def _doc_block(heading: str) -> str:
+    """The first python block of docs/adapters.md after `heading`."""
+    text = ADAPTERS_DOC.read_text()
+    return re.search(r"```python\n(.*?)```", text[text.index(heading) :], re.S).group(1)
+
+
+def test_the_skeleton_of_the_docs_passes_it(case_sets) -> None:
+    """docs/adapters.md's checkpoint skeleton, on its minimal adapter, as written."""
+    namespace: dict = {"__name__": "my_adapter"}
+    for heading in ("## A minimal adapter", "## The chunk kernel's checkpoints"):
+        exec(compile(_doc_block(heading), str(ADAPTERS_DOC), "exec"), namespace)
+    adapter_class = namespace["MyCheckpointAdapter"]
+    for dtype in ("fp32", "bf16"):
+        runner = _runner(case_sets["kimi-linear", dtype], adapter_class)
+        comparison = runner.run(CheckSpec(CASE_ID, dtype, CHECKPOINTS)).comparison
+        assert comparison.passed, comparison.verdict
 
 
 def test_an_adapter_without_the_protocol_skips_it_with_the_reason(case_sets) -> None:
