@@ -343,7 +343,10 @@ class KDAImplAdapter(
                 f"kda_impl's chunk kernel here returns its states every {own} tokens: no checkpoints every "
                 f"{chunk_size}"
             )
-        _, _, h = self._on_buckets(self._chunk, q, k, v, g, beta, cu_seqlens, initial_state)
+        results = self._on_buckets(self._chunk, q, k, v, g, beta, cu_seqlens, initial_state)
+        if len(results) < 3:  # a subclass's chunk program of (o, final state) alone
+            raise NotImplementedError(f"adapter {self.name!r}: its chunk program returns no per-chunk states")
+        h = results[2]
         # h [1, NC, H, D, D]: the real sequences' chunks first, in fla's order, then the padding's.
         lens = np.diff(cu_seqlens).tolist()
         index = {start: row for row, start in enumerate(chunk_starts(lens, own))}

@@ -92,6 +92,20 @@ def test_kda_impl_passes_the_checkpoint_check(case_sets, family: str, dtype: str
     assert comparison.judged_by == ("relative" if dtype == "bf16" else "absolute+relative")
 
 
+def test_kda_impl_refuses_checkpoints_between_its_own_chunks(case_sets) -> None:
+    """Its chunk program returns states every 32 tokens (plain JAX) or 64 (Pallas): checkpoints every 48
+    are not among them, a path it lacks (NotImplementedError: the check skips with the message)."""
+    dumps = DumpSet(str(case_sets["kimi-linear", "fp32"]))
+    adapter = KDAImplAdapter(dumps.config, dict(dumps.weights()), "fp32", "naive")
+    zeros = np.zeros((8, 2, 64), np.float32)
+    with pytest.raises(
+        NotImplementedError, match=r"returns its states every 32 tokens: no checkpoints every 48"
+    ):
+        adapter.chunk_kernel_checkpoints(
+            zeros, zeros, zeros, zeros, zeros[..., 0], np.array([0, 8]), None, 48
+        )
+
+
 def test_checkpoints_one_chunk_late_fail_it_as_a_state_defect_of_the_kernel(case_sets) -> None:
     runner = _runner(case_sets["kimi-linear", "fp32"], CheckpointOneChunkLate)
     assert not runner.run(CheckSpec(CASE_ID, "fp32", CHECKPOINTS)).comparison.passed
