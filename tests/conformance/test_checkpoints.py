@@ -16,9 +16,11 @@ import pytest
 from conformance.adapter import unprovided
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
 from conformance.checks import kinds
+from conformance.checks.calls import l2norm
 from conformance.checks.catalogue import CheckSkipped, CheckSpec
 from conformance.checks.kinds import Check
 from conformance.checks.runner import CHECKPOINT_KERNEL_TRUTH_SOURCE, CheckRunner
+from conformance.checks.truth import KERNEL_INPUTS
 from conformance.dumps.reader import DumpSet
 from conformance.policy import TolerancePolicy
 from conformance.search.dumpcase import CASE_ID, write_case_set
@@ -92,18 +94,23 @@ def test_kda_impl_passes_the_checkpoint_check(case_sets, family: str, dtype: str
     assert comparison.judged_by == ("relative" if dtype == "bf16" else "absolute+relative")
 
 
-def test_kda_impl_refuses_checkpoints_between_its_own_chunks(case_sets) -> None:
-    """Its chunk program returns states every 32 tokens (plain JAX) or 64 (Pallas): checkpoints every 48
-    are not among them, a path it lacks (NotImplementedError: the check skips with the message)."""
+def test_kda_impl_reads_them_from_its_chunk_program_and_refuses_others(case_sets) -> None:
+    """The checkpoints come from the program `chunk_kernel` runs, compiled once for both; that program
+    returns states every 32 tokens (plain JAX): checkpoints every 48 are not among them, a path it lacks
+    (NotImplementedError: the check skips with the message)."""
     dumps = DumpSet(str(case_sets["kimi-linear", "fp32"]))
+    case = dumps.case(CASE_ID)
     adapter = KDAImplAdapter(dumps.config, dict(dumps.weights()), "fp32", "naive")
-    zeros = np.zeros((8, 2, 64), np.float32)
+    q, k, v, g, beta = (case.result(name, "fp32") for name in KERNEL_INPUTS)
+    arguments = (l2norm(q), l2norm(k), v, g, beta, case.cu_seqlens, case.initial_state)
+    adapter.chunk_kernel(*arguments)
+    h = adapter.chunk_kernel_checkpoints(*arguments, 64)
+    assert h.shape == (5, 2, 64, 64) and adapter._chunk._cache_size() == 1
+    np.testing.assert_array_equal(h[[0, 3, 4]], case.initial_state)  # each sequence's first checkpoint
     with pytest.raises(
         NotImplementedError, match=r"returns its states every 32 tokens: no checkpoints every 48"
     ):
-        adapter.chunk_kernel_checkpoints(
-            zeros, zeros, zeros, zeros, zeros[..., 0], np.array([0, 8]), None, 48
-        )
+        adapter.chunk_kernel_checkpoints(*arguments, 48)
 
 
 def test_checkpoints_one_chunk_late_fail_it_as_a_state_defect_of_the_kernel(case_sets) -> None:
