@@ -1,6 +1,6 @@
 """The adapter: how the suite drives an implementation under test (docs/adapters.md has a skeleton).
 
-An adapter is a subclass of `KDAAdapter` that declares one or more of four protocols, as bases, and
+An adapter is a subclass of `KDAAdapter` that declares one or more of five protocols, as bases, and
 defines every method of each protocol it declares:
 
 - `LayerAdapter`: `layer_extend`, `layer_decode` — the checks `layer`, `layer-state`, the intermediates,
@@ -8,6 +8,8 @@ defines every method of each protocol it declares:
 - `KernelAdapter`: `chunk_kernel`, `recurrent_kernel` — the `kernel-*` checks on the dumped gate `g`;
 - `RawGateKernelAdapter` (optional): `chunk_kernel_raw_gate`, `recurrent_kernel_raw_gate` — the
   `kernel-*-rawgate[-state]` checks: the kernels computing the gate from its pre-activation input;
+- `CheckpointKernelAdapter` (optional): `chunk_kernel_checkpoints` — the `kernel-chunk-checkpoints`
+  check: the chunked kernel's state entering every chunk (fla's `return_intermediate_states`);
 - `ServingAdapter`: `serving_open`, `serving_alloc`, `serving_free`, `serving_forward`, `serving_state`
   — the `serving-*` checks (those that compare a request with its run alone need the layer too) —
   and its optional verbs `serving_copy`, `serving_load`, `serving_accept` (with a forward of mode
@@ -122,7 +124,7 @@ class LayerResult:
 class KDAAdapter:
     """The base of every adapter: its construction, options and report facts. Its calls are those of
     the protocols it declares (`LayerAdapter`, `KernelAdapter`, `RawGateKernelAdapter`,
-    `ServingAdapter`); the module docstring is the contract."""
+    `CheckpointKernelAdapter`, `ServingAdapter`); the module docstring is the contract."""
 
     #: A short name for reports.
     name: str = "unnamed"
@@ -282,6 +284,33 @@ class RawGateKernelAdapter(KDAAdapter, abc.ABC):
         """The token-recurrent kernel, same arguments and results as `chunk_kernel_raw_gate`."""
 
 
+class CheckpointKernelAdapter(KDAAdapter, abc.ABC):
+    """The checkpoint kernel protocol: the chunked kernel's per-chunk states, read as checkpoints (fla's
+    `chunk_kda(..., return_intermediate_states=True)`, vLLM's all-mode prefill, a prefix cache's
+    snapshots at chunk boundaries)."""
+
+    @abc.abstractmethod
+    def chunk_kernel_checkpoints(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        g: np.ndarray,
+        beta: np.ndarray,
+        cu_seqlens: np.ndarray,
+        initial_state: np.ndarray | None,
+        chunk_size: int,
+    ) -> np.ndarray:
+        """The chunked kernel's state entering every chunk of `chunk_size` tokens of each sequence.
+
+        q, k, v, g, beta, cu_seqlens, initial_state as for `KernelAdapter.chunk_kernel`; chunk_size: the
+        tokens per chunk (the suite asks for 64, fla's default). Returns h [NT, H, K, V] float32 as fla
+        returns it with `cu_seqlens` (its batch axis of 1 dropped): for each sequence in order, one state
+        per chunk, ceil(T_i / chunk_size) of them (`kda_spec.truth.chunk_starts`), the c-th its state
+        after its first c·chunk_size tokens, the first its initial state.
+        """
+
+
 class ServingAdapter(KDAAdapter, abc.ABC):
     """The serving protocol (docs/serving.md): the implementation's own state pool, driven as a
     scheduler drives it."""
@@ -354,7 +383,9 @@ def _optional_verb(adapter: KDAAdapter, call: str) -> str:
 
 
 #: The protocols, in the order reasons name them; a protocol `FooBarAdapter` is named "foo-bar".
-PROTOCOLS: tuple[type[KDAAdapter], ...] = (LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingAdapter)
+PROTOCOLS: tuple[type[KDAAdapter], ...] = (
+    LayerAdapter, KernelAdapter, RawGateKernelAdapter, CheckpointKernelAdapter, ServingAdapter,
+)  # fmt: skip
 
 
 def protocol_name(protocol: type[KDAAdapter]) -> str:

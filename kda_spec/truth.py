@@ -171,6 +171,45 @@ def packed_delta_rule(
     return o, np.stack(states)
 
 
+def chunk_starts(seq_lens: tuple[int, ...] | list[int], chunk_size: int) -> list[tuple[int, int]]:
+    """The chunks of a packed batch as fla's `chunk_kda(..., return_intermediate_states=True)` orders
+    its states `h` with `cu_seqlens`: for each sequence in order, ceil(T_i / chunk_size) chunks; each
+    as (sequence index, tokens of the sequence before the chunk)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return [(index, start) for index, length in enumerate(seq_lens) for start in range(0, length, chunk_size)]
+
+
+def packed_chunk_start_states(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    g: np.ndarray,
+    beta: np.ndarray,
+    cu_seqlens: np.ndarray,
+    initial_state: np.ndarray | None,
+    chunk_size: int,
+) -> np.ndarray:
+    """The state entering every chunk of `chunk_size` tokens (`chunk_starts`' order): the c-th chunk of a
+    sequence starts from its state after c·chunk_size tokens, the first from its initial state; the
+    delta rule token by token (`delta_rule`). Arguments as `packed_delta_rule`. Returns
+    [NT, H, D_k, D_v] in q's dtype, NT = sum of ceil(T_i / chunk_size) (fla's `h` without its batch axis)."""
+    heads, dim = q.shape[1], q.shape[2]
+    cu = np.asarray(cu_seqlens).tolist()
+    starts, state = [], None
+    for index, before in chunk_starts([end - begin for begin, end in itertools.pairwise(cu)], chunk_size):
+        if before == 0:  # a sequence starts
+            state = (
+                np.zeros((heads, dim, v.shape[2]), q.dtype)
+                if initial_state is None
+                else np.asarray(initial_state[index], q.dtype)
+            )
+        starts.append(state)
+        rows = slice(cu[index] + before, min(cu[index] + before + chunk_size, cu[index + 1]))
+        _, state = delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], state)
+    return np.stack(starts) if starts else np.zeros((0, heads, dim, v.shape[2]), q.dtype)
+
+
 def gated_rms_norm(o: np.ndarray, gate: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """`o * rsqrt(mean(o * o) + eps) * weight * sigmoid(gate)` over each head's last axis."""
     return o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + eps) * weight * sigmoid(gate)

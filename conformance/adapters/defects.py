@@ -44,7 +44,7 @@ def without_conv_state(carry: KDACarry) -> KDACarry:
 
 
 def chunk_with_state_leak(
-    chunk: Callable[..., tuple[jax.Array, jax.Array]],
+    chunk: Callable[..., tuple[jax.Array, ...]],
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
@@ -55,12 +55,12 @@ def chunk_with_state_leak(
     cu_seqlens: jax.Array,
     leak: jax.Array,  # scalar
     **kwargs: Any,
-) -> tuple[jax.Array, jax.Array]:
-    """`chunk` (a `chunk_kda` with `output_final_state=True`) on a packed batch whose sequences do not
-    start clean: sequence i starts from its own initial state plus `leak` × the final state sequence
-    i-1 reaches (as computed without the leak). With `leak` = 1, a kernel that never resets its state
-    at a sequence boundary; 0 leaves the result as it was."""
-    _, final = chunk(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, **kwargs)
+) -> tuple[jax.Array, ...]:
+    """`chunk` (a `chunk_kda` with `output_final_state=True`, its per-chunk states too or not) on a
+    packed batch whose sequences do not start clean: sequence i starts from its own initial state plus
+    `leak` × the final state sequence i-1 reaches (as computed without the leak). With `leak` = 1, a
+    kernel that never resets its state at a sequence boundary; 0 leaves the result as it was."""
+    _, final, *_ = chunk(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, **kwargs)
     previous = jnp.concatenate([jnp.zeros_like(final[:1]), final[:-1]])
     start = leak * previous if initial_state is None else initial_state + leak * previous
     return chunk(q, k, v, g, beta, initial_state=start, cu_seqlens=cu_seqlens, **kwargs)
@@ -119,12 +119,18 @@ class DefectiveKDAImpl(KDAImplAdapter):
         """The built-in adapter's arguments, and the class of the layer to build."""
         self.layer_class = layer_class  # before the built-in adapter builds its layer with it
         super().__init__(*args, **kwargs)
-        # The built-in forward's jitted step; each `inject` binds it to new parameters (no recompilation).
-        self._step, (self._dump_params,) = self._forward.func, self._forward.args
+        # The built-in forward; each `inject` binds its jitted step to new parameters (no recompilation).
+        self._dump_forward = self._forward
         leaky_chunk = jax.jit(
             functools.partial(
                 chunk_with_state_leak,
-                functools.partial(chunk_kda, output_final_state=True, kernel=self._kernel),
+                functools.partial(
+                    chunk_kda,
+                    output_final_state=True,
+                    return_intermediate_states=True,  # the checkpoints leak as the states do
+                    chunk_size=self._chunk_size,
+                    kernel=self._kernel,
+                ),
             )
         )
         self._chunk = lambda *args, **kwargs: leaky_chunk(*args, leak=self._backend.leak[0], **kwargs)
@@ -132,10 +138,10 @@ class DefectiveKDAImpl(KDAImplAdapter):
 
     def inject(self, injection: Injection) -> None:
         """Run the next calls with `injection`'s defect (`Injection()`: none)."""
-        params = self._dump_params
+        self._forward = self._dump_forward
         if injection.weights is not None:
             _, params = nnx.split(self._new_layer(injection.weights, "the injected weights"))
-        self._forward = functools.partial(self._step, params)
+            self._forward = self._dump_forward.with_params(params)
         dp, _ = mesh_sizes(self._mesh)
         self._backend.leak = jnp.full((dp,), injection.state_leak, jnp.float32)
         self.injection = injection

@@ -242,6 +242,12 @@ def checked_kernel_result(value: Any, call: str, shapes: CallShapes) -> tuple[np
     return o, checked_array(value[1], call, "final_state", shapes.of("recurrent_state"))
 
 
+def checked_checkpoints(value: Any, call: str, shapes: CallShapes) -> np.ndarray:
+    """A checkpoint call's states [NT, H, K, V] (`shapes.num_seqs` is NT, the chunks), checked
+    (`checked_array`)."""
+    return checked_array(value, call, "checkpoints", shapes.of("recurrent_state"))
+
+
 # ---------------------------------------------------------------------------------------------- time
 
 

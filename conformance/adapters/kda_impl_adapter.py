@@ -22,9 +22,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conformance.adapter import KernelAdapter, LayerAdapter, LayerResult, RawGateKernelAdapter, ServingAdapter
+from conformance.adapter import (
+    CheckpointKernelAdapter,
+    KernelAdapter,
+    LayerAdapter,
+    LayerResult,
+    RawGateKernelAdapter,
+    ServingAdapter,
+)
 from conformance.adapters.kda_impl_serving import MIN_DRAFT_TOKENS, REQUEST_BUCKET, KDAImplServing
-from kda_impl.kernels import chunk_kda, fused_recurrent_kda
+from kda_impl.kernels import chunk_kda, fused_recurrent_kda, resolve_kernel
+from kda_impl.kernels.chunk import CHUNK_SIZE as PLAIN_CHUNK_SIZE
 from kda_impl.layers.attention.linear.kda_backend import KDAAttnBackend
 from kda_impl.mem_cache.recurrent_state_pool import RecurrentStatePool
 from kda_impl.model_executor.forward_batch import (
@@ -39,6 +47,7 @@ from kda_impl.models.kimi_linear import KimiDeltaAttention, jit_forward
 from kda_impl.parallel import make_mesh, mesh_sizes
 from kda_impl.weights import layer_from_hf_weights
 from kda_spec.families import FAMILIES
+from kda_spec.truth import chunk_starts
 
 RUN_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 
@@ -55,7 +64,9 @@ class KDACarry:
         return self.recurrent.shape[0]
 
 
-class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingAdapter):
+class KDAImplAdapter(
+    LayerAdapter, KernelAdapter, RawGateKernelAdapter, CheckpointKernelAdapter, ServingAdapter
+):
     """kda_impl under test; `kernel` is 'auto' (the dispatcher's choice), 'naive' or 'pallas'; the options
     `tp` and `dp` size the mesh."""
 
@@ -85,6 +96,12 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingA
         self._forward = jit_forward(module, return_intermediates=True)
         self._pool: RecurrentStatePool | None = None
         self._serving: KDAImplServing | None = None
+        # The chunk kernel of the kernel checks returns its state entering every chunk too (fla's
+        # `return_intermediate_states`: the same o and final states, to the bit on golden): one program
+        # serves `chunk_kernel` and `chunk_kernel_checkpoints`.
+        self._chunk_size = default_chunk_size(self._kernel)
+        self._chunk = jitted_kernel("chunk", self._kernel, checkpoints_every=self._chunk_size)
+        self._recurrent = jitted_kernel("fused_recurrent", self._kernel)
 
     def _new_layer(self, weights: Mapping[str, np.ndarray], source: str) -> KimiDeltaAttention:
         """The layer holding `weights` (named in errors as `source`), on this adapter's mesh, in its run
@@ -270,12 +287,10 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingA
     # --- kernels --------------------------------------------------------------------------------------
 
     def chunk_kernel(self, q, k, v, g, beta, cu_seqlens, initial_state):
-        kernel = jitted_kernel("chunk", self._kernel)
-        return self._kernel_call(kernel, q, k, v, g, beta, cu_seqlens, initial_state)
+        return self._kernel_call(self._chunk, q, k, v, g, beta, cu_seqlens, initial_state)
 
     def recurrent_kernel(self, q, k, v, g, beta, cu_seqlens, initial_state):
-        kernel = jitted_kernel("fused_recurrent", self._kernel)
-        return self._kernel_call(kernel, q, k, v, g, beta, cu_seqlens, initial_state)
+        return self._kernel_call(self._recurrent, q, k, v, g, beta, cu_seqlens, initial_state)
 
     def chunk_kernel_raw_gate(
         self, q, k, v, g_raw, beta, a_log, dt_bias, lower_bound, cu_seqlens, initial_state
@@ -291,9 +306,27 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingA
         gate = {"A_log": a_log, "dt_bias": dt_bias}
         return self._kernel_call(kernel, q, k, v, g_raw, beta, cu_seqlens, initial_state, gate)
 
+    def chunk_kernel_checkpoints(self, q, k, v, g, beta, cu_seqlens, initial_state, chunk_size):
+        """The states `chunk_kernel`'s program returns (fla's `h`, every `self._chunk_size` tokens) at the
+        starts of the chunks of `chunk_size` tokens: every (chunk_size / own chunk size)-th of them."""
+        own = self._chunk_size
+        if chunk_size % own:
+            raise NotImplementedError(
+                f"kda_impl's chunk kernel here returns its states every {own} tokens: no checkpoints every "
+                f"{chunk_size}"
+            )
+        results = self._on_buckets(self._chunk, q, k, v, g, beta, cu_seqlens, initial_state)
+        if len(results) < 3:  # a subclass's chunk program of (o, final state) alone
+            raise NotImplementedError(f"adapter {self.name!r}: its chunk program returns no per-chunk states")
+        h = results[2]
+        # h [1, NC, H, D, D]: the real sequences' chunks first, in fla's order, then the padding's.
+        lens = np.diff(cu_seqlens).tolist()
+        index = {start: row for row, start in enumerate(chunk_starts(lens, own))}
+        return _to_numpy(np.asarray(h)[0, [index[start] for start in chunk_starts(lens, chunk_size)]])
+
     def _kernel_call(
         self,
-        kernel: Callable[..., tuple[jax.Array, jax.Array]],
+        kernel: Callable[..., tuple[jax.Array, ...]],  # (o, final state[, h])
         q: np.ndarray,  # [T, H, D] l2-normalised
         k: np.ndarray,  # [T, H, D] l2-normalised
         v: np.ndarray,  # [T, H, D]
@@ -307,12 +340,30 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingA
         run dtype and held in fp32 (the kernel upcasts it exactly, so one compiled kernel serves both runs),
         g, beta and the states fp32; o rounded to the run dtype, as the reference kernel returns it. With
         `gate`, `g` is the raw gate and the kernel takes the gate's parameters as keywords."""
+        o, final, *_ = self._on_buckets(kernel, q, k, v, g, beta, cu_seqlens, initial_state, gate)
+        tokens, num_seqs = q.shape[0], len(cu_seqlens) - 1
+        o = np.asarray(o)[0, :tokens].astype(np.dtype(self._run_dtype))
+        return _to_numpy(o), _to_numpy(np.asarray(final)[:num_seqs])
+
+    def _on_buckets(
+        self,
+        kernel: Callable[..., tuple[jax.Array, ...]],
+        q: np.ndarray,  # [T, H, D] l2-normalised
+        k: np.ndarray,  # [T, H, D] l2-normalised
+        v: np.ndarray,  # [T, H, D]
+        g: np.ndarray,  # [T, H, D] fp32: the log decay, or the raw gate with `gate`
+        beta: np.ndarray,  # [T, H] fp32
+        cu_seqlens: np.ndarray,  # i32[N+1]
+        initial_state: np.ndarray | None,  # [N, H, D, D] fp32
+        gate: Mapping[str, np.ndarray] | None = None,  # the raw gate's A_log [H] and dt_bias [H·D], fp32
+    ) -> tuple[jax.Array, ...]:
+        """`kernel`'s results on the call padded to the buckets (`_kernel_call`'s inputs): its real
+        tokens and sequences first, then the padding's."""
         seq_lens = seq_lens_from_cu_seqlens(cu_seqlens, q.shape[0])  # the jitted kernel cannot check values
         tokens, num_seqs = q.shape[0], seq_lens.size
         # Conversions in numpy (bf16 casts round to nearest even, as XLA's): on the device each one would
         # be one more small executable to compile per shape.
-        run_dtype = np.dtype(self._run_dtype)
-        v = np.asarray(v, np.float32).astype(run_dtype).astype(np.float32)
+        v = np.asarray(v, np.float32).astype(np.dtype(self._run_dtype)).astype(np.float32)
         # Padded to the layer's buckets, as the layer's prefill is padded, so that the kernel compiles once
         # per bucket pair, not per case: the padding tokens (zeros: they leave a state unchanged) form one
         # padding sequence, the other padding sequences are empty; their results are dropped. A missing
@@ -328,25 +379,42 @@ class KDAImplAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, ServingA
         cu = np.full(padded_seqs + 1, padded_tokens, np.int32)
         cu[: num_seqs + 1] = cu_seqlens
         parameters = {name: np.asarray(value, np.float32) for name, value in (gate or {}).items()}
-        o, final = kernel(
-            q, k, v, g, beta, initial_state=_padded(init, padded_seqs), cu_seqlens=cu, **parameters
-        )
-        o = np.asarray(o)[0, :tokens].astype(run_dtype)
-        return _to_numpy(o), _to_numpy(np.asarray(final)[:num_seqs])
+        return kernel(q, k, v, g, beta, initial_state=_padded(init, padded_seqs), cu_seqlens=cu, **parameters)
 
 
 @functools.cache
 def jitted_kernel(
-    path: str, kernel: str | None, *, raw_gate: bool = False, lower_bound: float | None = None
+    path: str,
+    kernel: str | None,
+    *,
+    checkpoints_every: int | None = None,
+    raw_gate: bool = False,
+    lower_bound: float | None = None,
 ) -> Callable[..., Any]:
     """kda_impl's jitted `path` kernel ("chunk" or "fused_recurrent") on `kernel` (None: the
-    dispatcher's choice), returning the final state; with `raw_gate`, taking the raw gate, `A_log` [H] and
-    `dt_bias` [H·K] (fla's `use_gate_in_kernel=True`) for the gate of lower bound `lower_bound` (None:
-    softplus). One per process and set of arguments, so that every adapter (the fp32 and the bf16 run's)
-    shares its compilations: the kernel checks feed it fp32 in both runs."""
+    dispatcher's choice), returning the final state; with `checkpoints_every` C, the chunk kernel runs
+    chunks of C tokens and returns its state entering each too (fla's `return_intermediate_states`); with
+    `raw_gate`, it takes the raw gate, `A_log` [H] and `dt_bias` [H·K] (fla's `use_gate_in_kernel=True`)
+    for the gate of lower bound `lower_bound` (None: softplus). One per process and set of arguments, so
+    that every adapter (the fp32 and the bf16 run's) shares its compilations: the kernel checks feed it
+    fp32 in both runs."""
     function = {"chunk": chunk_kda, "fused_recurrent": fused_recurrent_kda}[path]
-    gate = {"use_gate_in_kernel": True, "lower_bound": lower_bound} if raw_gate else {}
-    return jax.jit(functools.partial(function, output_final_state=True, kernel=kernel, **gate))
+    options: dict[str, Any] = {"output_final_state": True, "kernel": kernel}
+    if checkpoints_every is not None:
+        options.update(return_intermediate_states=True, chunk_size=checkpoints_every)
+    if raw_gate:
+        options.update(use_gate_in_kernel=True, lower_bound=lower_bound)
+    return jax.jit(functools.partial(function, **options))
+
+
+def default_chunk_size(kernel: str | None) -> int:
+    """The tokens per chunk kda_impl's `chunk_kda` runs with by default under `kernel` (None: auto): the
+    plain-JAX kernel's (32, the fastest on XLA:CPU) or the Pallas kernel's (64, fla's)."""
+    if resolve_kernel(kernel) == "pallas":
+        from kda_impl.kernels.pallas.tuning import CHUNK_SIZE as PALLAS_CHUNK_SIZE
+
+        return PALLAS_CHUNK_SIZE
+    return PLAIN_CHUNK_SIZE
 
 
 def token_bucket(tokens: int) -> int:

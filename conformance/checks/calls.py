@@ -22,19 +22,21 @@ from conformance.adapters.guard import (
     GuardedAdapter,
     ImplementationFault,
     build_adapter,
+    checked_checkpoints,
     checked_kernel_result,
     checked_layer_result,
     read_only_weights,
 )
 from conformance.checks import sequences
 from conformance.checks.catalogue import CheckSkipped
+from conformance.checks.kinds import CHECKPOINT_CHUNK_SIZE
 from conformance.checks.memo import Memo
 from conformance.checks.truth import KERNEL_INPUTS
 from conformance.dumps.reader import CaseData, DumpSet
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig
 from kda_spec.families import canonical_weights
-from kda_spec.truth import L2NORM_EPS
+from kda_spec.truth import L2NORM_EPS, chunk_starts
 
 
 def l2norm(x: np.ndarray) -> np.ndarray:
@@ -169,6 +171,26 @@ class ImplementationCalls:
         }  # fmt: skip
         shapes = self._shapes(len(q), len(case.cu_seqlens) - 1)
         return self._call(dtype, method, arguments, checked_kernel_result, shapes)
+
+    def checkpoints_on_dump(self, case: CaseData, dtype: str) -> np.ndarray:
+        """The chunk kernel's state entering every `CHECKPOINT_CHUNK_SIZE`-token chunk of each sequence
+        (`chunk_kernel_checkpoints`, [NT, H, D, D]) on the dumped q, k, v, g, beta of this run."""
+        missing = [fmt.result_key(name, dtype) for name in KERNEL_INPUTS if case.result(name, dtype) is None]
+        if missing:
+            raise CheckSkipped(f"the dump has no {missing}: the kernel inputs are not in it")
+        stages = {name: case.result(name, dtype) for name in KERNEL_INPUTS}
+        return self._results.get(("checkpoints", dtype), lambda: self.run_checkpoints(case, dtype, stages))
+
+    def run_checkpoints(self, case: CaseData, dtype: str, stages: dict[str, np.ndarray]) -> np.ndarray:
+        """`chunk_kernel_checkpoints` on the conv outputs, g and beta in `stages`."""
+        q, k, v, g, beta = (np.asarray(stages[name]) for name in KERNEL_INPUTS)
+        arguments = {
+            "q": l2norm(q), "k": l2norm(k), "v": v, "g": g, "beta": beta, "cu_seqlens": case.cu_seqlens,
+            "initial_state": case.initial_state, "chunk_size": CHECKPOINT_CHUNK_SIZE,
+        }  # fmt: skip
+        chunks = chunk_starts(np.diff(case.cu_seqlens).tolist(), CHECKPOINT_CHUNK_SIZE)
+        shapes = self._shapes(len(q), len(chunks))
+        return self._call(dtype, "chunk_kernel_checkpoints", arguments, checked_checkpoints, shapes)
 
     def raw_gate_kernel_on_dump(self, case: CaseData, dtype: str, path: str) -> tuple[np.ndarray, np.ndarray]:
         """The chunk or recurrent kernel's raw-gate form on the dumped q, k, v, raw gate and beta of this

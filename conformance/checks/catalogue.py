@@ -62,6 +62,7 @@ def case_checks(seq_lens: tuple[int, ...]) -> list[Check]:
         Check(kinds.LAYER),
         Check(kinds.LAYER_STATE),
         *(Check(kind) for kind in (*kinds.KERNEL_KINDS, *kinds.RAW_GATE_KERNEL_KINDS)),
+        Check(kinds.KERNEL_CHUNK_CHECKPOINTS),
         *(Check(kinds.INTERMEDIATE, name) for name in fmt.INTERMEDIATE_KEYS),
         *(Check(kind, run) for run in decode_runs(seq_lens) for kind in (kinds.DECODE, kinds.DECODE_SELF)),
         Check(kinds.CHUNKED_PREFILL),

@@ -23,6 +23,7 @@ OUT_AXES = ("token", "channel")
 HEAD_AXES = ("token", "head", "channel")
 STATE_AXES = ("seq", "head", "key", "value")
 CONV_AXES = ("seq", "history", "channel")
+CHECKPOINT_AXES = ("chunk", "head", "key", "value")  # fla's h: every sequence's chunks in order
 
 # What the adapter methods a kind calls are (`CheckKind.needs`).
 LAYER_CALLS = ("layer_extend",)
@@ -34,6 +35,10 @@ LAYER_TRUTH = "layer"  # the float64 layer of the dump's inputs and weights (kda
 KERNEL_TRUTH = "kernel"  # the float64 recurrence on the dumped kernel inputs
 # the float64 recurrence on the dumped kernel inputs, its log decay the float64 gate of the dumped raw gate
 RAW_GATE_KERNEL_TRUTH = "kernel-raw-gate"
+# the float64 recurrence on the dumped kernel inputs, its state entering every chunk of every sequence
+CHECKPOINT_KERNEL_TRUTH = "kernel-checkpoints"
+# The chunk size the checkpoint check asks for: fla's default, at which fla and vLLM return their states.
+CHECKPOINT_CHUNK_SIZE = 64
 
 SERVING_GROUP = "serving"
 
@@ -46,10 +51,11 @@ class CheckKind:
     group:    the column of the summary table it belongs to.
     needs:    the adapter methods its computation calls.
     result:   the layer result it is judged as: `out`, `recurrent_state`, an intermediate's dump name
-              (`{arg}`: the argument's), or for a kernel kind the kernel's `o` or `state`.
+              (`{arg}`: the argument's), or for a kernel kind the kernel's `o`, `state` or
+              `checkpoints`.
     axes:     the axes of its two sides (an intermediate: the first as many as the reference has).
-    truth:    `LAYER_TRUTH`, `KERNEL_TRUTH`, `RAW_GATE_KERNEL_TRUTH`, or None: judged by the absolute
-              gate alone, `no_truth` says why.
+    truth:    `LAYER_TRUTH`, `KERNEL_TRUTH`, `RAW_GATE_KERNEL_TRUTH`, `CHECKPOINT_KERNEL_TRUTH`, or
+              None: judged by the absolute gate alone, `no_truth` says why.
     contract: whether the bf16 precision contract has a model of its result (no rounding point inside
               the kernels).
     kernel:   a kernel kind's path as in the dump's keys (`chunk`, `fused_recurrent`).
@@ -148,6 +154,12 @@ KERNEL_CHUNK_RAW_GATE = _kernel("chunk", "chunk", "o", raw_gate=True)
 KERNEL_CHUNK_RAW_GATE_STATE = _kernel("chunk", "chunk", "state", raw_gate=True)
 KERNEL_RECURRENT_RAW_GATE = _kernel("fused_recurrent", "recurrent", "o", raw_gate=True)
 KERNEL_RECURRENT_RAW_GATE_STATE = _kernel("fused_recurrent", "recurrent", "state", raw_gate=True)
+# the chunk kernel's state entering every 64-token chunk (`CheckpointKernelAdapter`), against the float32
+# token recurrence's on the same inputs (the dump holds no reference's);
+KERNEL_CHUNK_CHECKPOINTS = CheckKind(
+    "kernel-chunk-checkpoints", "kernel", ("chunk_kernel_checkpoints",), "checkpoints", CHECKPOINT_AXES,
+    truth=CHECKPOINT_KERNEL_TRUTH, contract=False, kernel="chunk",
+)  # fmt: skip
 # the dump's intermediate of the argument's name;
 INTERMEDIATE = CheckKind("{arg}", "intermediate", LAYER_CALLS, "{arg}", HEAD_AXES)
 # the prefill of the rest, then one token a step: the dump's out at the decoded tokens, and (-self) the
@@ -195,6 +207,7 @@ KINDS = (
     KERNEL_CHUNK_RAW_GATE_STATE,
     KERNEL_RECURRENT_RAW_GATE,
     KERNEL_RECURRENT_RAW_GATE_STATE,
+    KERNEL_CHUNK_CHECKPOINTS,
     INTERMEDIATE,
     DECODE,
     DECODE_SELF,

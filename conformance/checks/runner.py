@@ -42,11 +42,15 @@ from conformance.judging.reduction import reduction_limits
 from conformance.judging.verdict import CONTRACT_MODE
 from conformance.policy import TolerancePolicy
 from kda_spec import dump_format as fmt
-from kda_spec.truth import l2_normalised, raw_gate_decay
+from kda_spec.truth import l2_normalised, packed_chunk_start_states, raw_gate_decay
 
 KERNEL_TRUTH_SOURCE = "float64 recurrence on the dumped kernel inputs"
 RAW_GATE_KERNEL_TRUTH_SOURCE = (
     "float64 recurrence on the dumped kernel inputs, g the float64 gate of the dumped g_raw, A_log, dt_bias"
+)
+CHECKPOINT_KERNEL_TRUTH_SOURCE = (
+    f"float64 recurrence on the dumped kernel inputs, its state entering every {kinds.CHECKPOINT_CHUNK_SIZE}-"
+    "token chunk"
 )
 
 
@@ -288,7 +292,10 @@ class CheckRunner:
         kind = spec.kind
         if kind.truth is None:
             raise NoTruth(kind.no_truth)
-        if kind.truth in (kinds.KERNEL_TRUTH, kinds.RAW_GATE_KERNEL_TRUTH):
+        if kind.truth == kinds.CHECKPOINT_KERNEL_TRUTH:
+            value = self.checkpoint_states(case, spec.dtype, np.float64)
+            source = CHECKPOINT_KERNEL_TRUTH_SOURCE
+        elif kind.truth in (kinds.KERNEL_TRUTH, kinds.RAW_GATE_KERNEL_TRUTH):
             raw_gate = kind.truth == kinds.RAW_GATE_KERNEL_TRUTH
             o, state = self.kernel_truth(case, spec.dtype, raw_gate)
             value = o if kind.result == "o" else state
@@ -346,6 +353,21 @@ class CheckRunner:
             return recurrence_fp64(inputs, case.cu_seqlens, case.initial_state)
 
         return self._derived.get(("kernel-truth", dtype, raw_gate), compute)
+
+    def checkpoint_states(self, case: CaseData, dtype: str, precision: type[np.floating]) -> np.ndarray:
+        """The state entering every `CHECKPOINT_CHUNK_SIZE`-token chunk of each sequence, [NT, H, D, D]
+        in `chunk_starts`' order: the token recurrence in `precision` on the dumped kernel inputs of the
+        `dtype` run (q, k l2-normalised in fp32 as the kernels get them, then widened exactly). float64
+        is the truth of `kernel-chunk-checkpoints`, float32 its reference (the dump holds no reference's
+        checkpoints: the plain fp32 recurrence, as `search`'s sets take for their kernels' reference)."""
+
+        def compute() -> np.ndarray:
+            q, k, v, g, beta = (self.expected(case, name, dtype) for name in KERNEL_INPUTS)
+            inputs = (np.asarray(x, precision) for x in (l2norm(q), l2norm(k), v, g, beta))
+            init = None if case.initial_state is None else np.asarray(case.initial_state, precision)
+            return packed_chunk_start_states(*inputs, case.cu_seqlens, init, kinds.CHECKPOINT_CHUNK_SIZE)
+
+        return self._derived.get(("checkpoints", dtype, np.dtype(precision).name), compute)
 
     def sides(self, case: CaseData, spec: CheckSpec) -> Sides:
         """The implementation's result and the reference of one check: its kind's function (`_SIDES`)."""
@@ -406,6 +428,12 @@ def _kernel(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
     if kind.result == "o":
         return Sides(o, runner.expected(case, f"o_kda_{kind.kernel}", dtype), kind.axes)
     return Sides(state, runner.expected(case, f"recurrent_state_{kind.kernel}", dtype), kind.axes)
+
+
+@_sides_of(kinds.KERNEL_CHUNK_CHECKPOINTS)
+def _checkpoints(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
+    actual = runner.calls.checkpoints_on_dump(case, spec.dtype)
+    return Sides(actual, runner.checkpoint_states(case, spec.dtype, np.float32), spec.kind.axes)
 
 
 @_sides_of(kinds.INTERMEDIATE)

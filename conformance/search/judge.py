@@ -68,6 +68,7 @@ CHECKS = tuple(
         Check(kinds.LAYER),
         Check(kinds.LAYER_STATE),
         *(Check(kind) for kind in (*kinds.KERNEL_KINDS, *kinds.RAW_GATE_KERNEL_KINDS)),
+        Check(kinds.KERNEL_CHUNK_CHECKPOINTS),
         *(Check(kinds.INTERMEDIATE, name) for name in fmt.INTERMEDIATE_KEYS),
         Check(kinds.DECODE, "k1"),
         Check(kinds.DECODE, "k8"),

@@ -1,8 +1,8 @@
 """Stage by stage through the layer for one case: where does the error first leave tolerance?
 
 conv (q/k/v_after_conv) → gate/beta (g, beta) → kernel (each kernel's output and final state on the
-dumped inputs, the same of their raw-gate form on the dumped raw gate g_raw, and the output on the
-layer's own) → norm (g_out, o_norm) → out → state (the layer's
+dumped inputs, the same of their raw-gate form on the dumped raw gate g_raw, the chunk kernel's
+checkpoints, and the output on the layer's own) → norm (g_out, o_norm) → out → state (the layer's
 final state) → chunked prefill (its output and the state it carries across calls). Each stage is
 compared with the dump under the gate's tolerance. A final state that leaves tolerance while the
 output it comes with holds is named first, as a state defect: a wrong state shows in the output only
@@ -53,6 +53,7 @@ STAGES = (
     ("kernel", "recurrent_state_chunk_rawgate (g_raw)", "kernel-chunk-rawgate-state"),
     ("kernel", "o_kda_fused_recurrent_rawgate (g_raw)", "kernel-recurrent-rawgate"),
     ("kernel", "recurrent_state_fused_recurrent_rawgate (g_raw)", "kernel-recurrent-rawgate-state"),
+    ("kernel", "chunk_checkpoints (dumped inputs, every chunk's start)", "kernel-chunk-checkpoints"),
     ("kernel", LAYER_KERNEL_RERUN, None),
     *(("norm", name, name) for name in ("g_out", "o_norm")),
     ("out", "out", "layer"),
@@ -68,6 +69,10 @@ STATE_OF_OUTPUT = {
     "kernel-recurrent-rawgate-state": (
         "kernel-recurrent-rawgate",
         "the raw-gate recurrent kernel's final state",
+    ),
+    "kernel-chunk-checkpoints": (
+        "kernel-chunk",
+        "the chunk kernel's checkpoints (its state entering every chunk)",
     ),
     "layer-state": ("layer", "the layer's final state"),
     "chunked-prefill-state": ("chunked-prefill", "chunked prefill's carried state"),

@@ -21,6 +21,7 @@ data rank serves its own requests on its own pool slots. `PARAM_SPECS` says how 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -345,17 +346,35 @@ class KimiDeltaAttention(nnx.Module):
             )
 
 
-def jit_forward(
-    module: KimiDeltaAttention, *, return_intermediates: bool = False
-) -> Callable[..., tuple[Any, ...]]:
+@dataclasses.dataclass(frozen=True)
+class JittedForward:
+    """A layer's jitted forward `step(params, hidden_states, forward_batch, pool)` bound to `params`:
+    called as `(hidden_states [T, hidden], forward_batch, pool) -> (out, pool[, intermediates])`, the pool
+    donated and the returned one holding the allocators of the one passed (`with_allocators_of`)."""
+
+    step: Callable[..., tuple[Any, ...]]
+    params: nnx.State
+
+    def __call__(
+        self, hidden_states: Any, forward_batch: ForwardBatch, pool: RecurrentStatePool
+    ) -> tuple[Any, ...]:
+        out, new_pool, *rest = self.step(self.params, hidden_states, forward_batch, pool)
+        return (out, new_pool.with_allocators_of(pool), *rest)  # the allocators stay on the host
+
+    def with_params(self, params: nnx.State) -> JittedForward:
+        """The same compiled step bound to other parameters of the same shapes (no recompilation)."""
+        return dataclasses.replace(self, params=params)
+
+
+def jit_forward(module: KimiDeltaAttention, *, return_intermediates: bool = False) -> JittedForward:
     """`module`'s forward, jitted once, with the pool donated (XLA updates its buffers in place).
 
-    Returns `step(hidden_states [T, hidden], forward_batch, pool) -> (out, pool[, intermediates])`. The
-    parameters are captured now: reload weights → call `jit_forward` again. Compiles once per bucket of
-    `make_forward_batch` (and per forward mode), shared by every pool of one shape (`SlotLayout`). The pool
-    passed in is consumed: use the returned one, which holds the same allocators.
-    Host arrays are fine as hidden states and batch, also in a multi-process run, where every process
-    passes the same values.
+    Returns `forward(hidden_states [T, hidden], forward_batch, pool) -> (out, pool[, intermediates])`.
+    The parameters are captured now: reload weights → call `jit_forward` again (or `with_params`).
+    Compiles once per bucket of `make_forward_batch` (and per forward mode), shared by every pool of one
+    shape (`SlotLayout`). The pool passed in is consumed: use the returned one, which holds the same
+    allocators. Host arrays are fine as hidden states and batch, also in a multi-process run, where every
+    process passes the same values.
     """
     graphdef, params = nnx.split(module)
 
@@ -370,8 +389,4 @@ def jit_forward(
             return_intermediates=return_intermediates,
         )
 
-    def forward(hidden_states, forward_batch, pool: RecurrentStatePool) -> tuple[Any, ...]:
-        out, new_pool, *rest = step(params, hidden_states, forward_batch, pool)
-        return (out, new_pool.with_allocators_of(pool), *rest)  # the allocators stay on the host
-
-    return forward
+    return JittedForward(step, params)

@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 ADAPTERS_DOC = REPO / "docs" / "adapters.md"
 KERNEL_CHECKS = [kind.name() for kind in kinds.KERNEL_KINDS]
 RAW_GATE_CALLS = ("chunk_kernel_raw_gate", "recurrent_kernel_raw_gate")
+CHECKPOINT_CALLS = ("chunk_kernel_checkpoints",)
 
 
 def _skeleton_source() -> str:
@@ -132,6 +133,7 @@ def test_what_a_class_provides_is_the_calls_of_the_protocols_it_declares(
         "chunk_kernel",
         "recurrent_kernel",
         *RAW_GATE_CALLS,
+        *CHECKPOINT_CALLS,
         *kinds.SERVING_CALLS,
         *OPTIONAL_SERVING_CALLS,
     }  # fmt: skip
@@ -139,6 +141,10 @@ def test_what_a_class_provides_is_the_calls_of_the_protocols_it_declares(
     assert unprovided(skeleton_class, kinds.KERNEL_CHUNK.needs) is None
     assert unprovided(skeleton_class, kinds.KERNEL_CHUNK_RAW_GATE.needs) == (
         "adapter 'my-kda' implements no raw-gate-kernel protocol (conformance.adapter.RawGateKernelAdapter)"
+    )
+    assert unprovided(skeleton_class, kinds.KERNEL_CHUNK_CHECKPOINTS.needs) == (
+        "adapter 'my-kda' implements no checkpoint-kernel protocol "
+        "(conformance.adapter.CheckpointKernelAdapter)"
     )
     assert unprovided(skeleton_class, kinds.SERVING.needs) == (
         "adapter 'my-kda' implements no layer protocol (conformance.adapter.LayerAdapter) "
@@ -151,7 +157,8 @@ def test_what_a_class_provides_is_the_calls_of_the_protocols_it_declares(
 
 def test_the_kinds_need_the_calls_of_the_protocols() -> None:
     assert [protocol_calls(protocol) for protocol in PROTOCOLS] == [
-        kinds.DECODE_CALLS, ("chunk_kernel", "recurrent_kernel"), RAW_GATE_CALLS, kinds.SERVING_CALLS
+        kinds.DECODE_CALLS, ("chunk_kernel", "recurrent_kernel"), RAW_GATE_CALLS, CHECKPOINT_CALLS,
+        kinds.SERVING_CALLS,
     ]  # fmt: skip
     every_call = {call for protocol in PROTOCOLS for call in protocol_calls(protocol)}
     assert {call for kind in kinds.KINDS for call in kind.needs} == every_call
@@ -164,7 +171,8 @@ def test_the_kinds_need_the_calls_of_the_protocols() -> None:
             "NoProtocol",
             "class 'NoProtocol' implements no adapter protocol: subclass one or more of "
             "conformance.adapter.LayerAdapter, conformance.adapter.KernelAdapter, "
-            "conformance.adapter.RawGateKernelAdapter, conformance.adapter.ServingAdapter",
+            "conformance.adapter.RawGateKernelAdapter, conformance.adapter.CheckpointKernelAdapter, "
+            "conformance.adapter.ServingAdapter",
         ),
         (
             "UndeclaredServing",

@@ -21,8 +21,13 @@ NO_RAW_GATE = (
     "adapter 'numpy kernels only' implements no raw-gate-kernel protocol "
     "(conformance.adapter.RawGateKernelAdapter)"
 )
+NO_CHECKPOINTS = (
+    "adapter 'numpy kernels only' implements no checkpoint-kernel protocol "
+    "(conformance.adapter.CheckpointKernelAdapter)"
+)
 KERNEL_CHECKS = {kind.name() for kind in kinds.KERNEL_KINDS}
 RAW_GATE_CHECKS = {kind.name() for kind in kinds.RAW_GATE_KERNEL_KINDS}
+CHECKPOINT_CHECK = kinds.KERNEL_CHUNK_CHECKPOINTS.name()
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -58,6 +63,8 @@ def test_a_kernel_only_run_passes_its_kernels_and_skips_the_rest_with_the_reason
             assert NO_SERVING in check["message"], check
         elif name in RAW_GATE_CHECKS:
             assert check["message"] == NO_RAW_GATE, check
+        elif name == CHECKPOINT_CHECK:
+            assert check["message"] == NO_CHECKPOINTS, check
         else:
             assert check["message"] == NO_LAYER, check
 
@@ -69,9 +76,10 @@ def test_the_plan_summary_lists_the_skips_before_any_check_runs(
     lines = result.stdout.splitlines()
     planned, skipped = len(report["checks"]), report["summary"]["skipped"]
     header = lines.index(f"plan: {planned} checks, {skipped} skipped before they run:")
-    reasons = lines[header + 1 : header + 5]
+    reasons = lines[header + 1 : header + 6]
     assert any(line.endswith(f" skipped: {NO_LAYER}") for line in reasons), reasons
     assert any(line.endswith(f"{len(RAW_GATE_CHECKS)} skipped: {NO_RAW_GATE}") for line in reasons), reasons
+    assert any(line.endswith(f"1 skipped: {NO_CHECKPOINTS}") for line in reasons), reasons
     assert any(NO_SERVING in line for line in reasons), reasons
     assert sum(int(line.split()[0]) for line in reasons if line.startswith("  ")) == skipped
     first_check = next(i for i, line in enumerate(lines) if "test_conformance.py" in line)
