@@ -10,11 +10,13 @@ hypothesis shrinks such a list toward fewer actions, smaller prompts and chunks,
 padding and the smallest pool, so a failing schedule shrinks to the fewest requests, steps and tokens
 that still fail.
 
-With the serving protocol's optional verbs (those the adapter provides, `VERB_ACTIONS`), four more:
+With the serving protocol's optional verbs (those the adapter provides, `VERB_ACTIONS`), five more:
 a snapshot (a request's states copied into a new snapshot slot, at the boundary its prefill's chunks
 end at), a hit (a new request copies a snapshot and continues with a prompt of its own), a verify (the
-started requests verify k draft tokens each and accept a drawn number of them, 0..k) and a handoff
-(every request exported into a fresh pool). Snapshots hold their slot and are never scheduled.
+started requests verify k draft tokens each and accept a drawn number of them, 0..k), a handoff
+(every request exported into a fresh pool) and a poison (a free slot filled with NaN or 1e30 and freed
+again: memory no request may read and no forward may write). Snapshots hold their slot and are never
+scheduled.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ from typing import Any
 from hypothesis import strategies as st
 
 from conformance.checks.serving_events import (
+    POISONS,
     Accept,
     Alloc,
     Copy,
     Forward,
     Free,
     Handoff,
+    Poison,
     ScheduleBook,
     Verify,
 )
@@ -44,7 +48,7 @@ MAX_DRAFTS = 4
 SEARCHED = "searched"  # the name of every searched scenario
 #: The optional serving verb each action of the verbs needs.
 VERB_ACTIONS = {"snapshot": "serving_copy", "hit": "serving_copy", "verify": "serving_accept",
-                "handoff": "serving_load"}  # fmt: skip
+                "handoff": "serving_load", "poison": "serving_load"}  # fmt: skip
 
 
 def schedule_strategy(max_tokens: int, verbs: Collection[str] = ()) -> st.SearchStrategy[Scenario]:
@@ -66,6 +70,7 @@ def schedule_strategy(max_tokens: int, verbs: Collection[str] = ()) -> st.Search
             st.integers(0, MAX_PADDING),
         ),
         "handoff": st.tuples(st.just("handoff")),
+        "poison": st.tuples(st.just("poison"), st.sampled_from(sorted(POISONS))),
     }
     drawn = [strategy for action, strategy in choices.items() if VERB_ACTIONS[action] in verbs]
     # A verb's action needs a request that has started: steps are drawn as often as all of them.
@@ -115,6 +120,9 @@ def schedule(num_slots: int, actions: list[tuple[Any, ...]]) -> Scenario:
             book.play_all(Accept(name, (accepted + i) % (drafts + 1)) for i, name in enumerate(started))
         elif kind == "handoff" and book.holding:
             book.play(Handoff(tuple(reversed(book.holding))))
+        elif kind == "poison" and book.free_slots:
+            name = f"p{len(book.processed)}"  # the next free slot, poisoned and free again
+            book.play_all([Alloc(name), Poison(name, action[1]), Free(name)])
     return Scenario(SEARCHED, num_slots, tuple(book.events))
 
 

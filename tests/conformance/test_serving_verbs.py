@@ -136,11 +136,22 @@ def test_batch_invariance_is_measured_and_reported_not_gated(capsys):
     )
 
 
-def test_a_short_search_of_the_verbs_finds_a_seeded_defect_and_writes_a_replayable_schedule(tmp_path):
-    code, report = _search(
-        tmp_path, serving_defects.AcceptForgetsConvShift, budget_s=120.0, shrink_budget_s=5.0
-    )
+@pytest.mark.parametrize(
+    ("defect", "event_type"),
+    [
+        (serving_defects.SnapshotAfterPartialChunk, Copy),
+        (serving_defects.AcceptForgetsConvShift, Accept),
+        (serving_defects.HandoffRepeatsLastToken, Handoff),
+        (serving_defects.PaddingWrapsToLastSlot, Poison),
+    ],
+    ids=lambda value: getattr(value, "__name__", None),
+)
+def test_a_short_search_of_the_verbs_finds_each_seeded_defect_and_writes_a_replayable_schedule(
+    tmp_path, defect, event_type
+):
+    """Each defect of a verb is found by drawing that verb's events (the shrunk schedule keeps one)."""
+    code, report = _search(tmp_path, defect, budget_s=150.0, shrink_budget_s=5.0)
     assert code == 1 and report["found"], report
     (found,) = load_scenarios(tmp_path / "scenarios.json")
-    assert any(isinstance(event, Accept) and event.accepted for event in found.events), found
+    assert any(isinstance(event, event_type) for event in found.events), found
     assert "--scenarios" in report["found"]["replay"]
