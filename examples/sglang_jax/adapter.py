@@ -19,10 +19,16 @@ and drives its own code wherever it imports:
 - the serving checks (docs/serving.md): one `RecurrentStatePool` (slot 0 its dummy), the slots from its
   `HybridReqToTokenPool`'s free list, each batch laid out as `ScheduleBatch.get_model_worker_batch`
   lays it out (`has_initial_state = prefix_lens > 0` in EXTEND, padding requests on slot 0) and run
-  through the same layer path with the backend's `get_forward_metadata`.
+  through the same layer path with the backend's `get_forward_metadata`; the optional verbs:
+  `serving_copy` through the pool's `copy_slots` (the copy-on-write of `--enable-unified-radix-tree`),
+  `serving_load` through the backend's `set_ssm_state` / `set_conv_state`; no `serving_accept` (its KDA
+  backend refuses TARGET_VERIFY). With `track_interval` the extra-buffer track slots are driven:
+  `HybridReqToTokenPool` with `enable_recurrent_extra_buffer`, each forward's track entries from
+  `_build_recurrent_track_entries`, a boundary's snapshot copied from its track slot.
 
 Options (strings): `sglang_jax` the checkout; `interpret` `1|0` Pallas interpret mode (default: on
-unless a TPU is present). sgl_jax's package `__init__`s import server-only modules (zmq, fastapi,
+unless a TPU is present); `track_interval` N > 0, sgl-jax's `--recurrent-track-interval` (default: no
+track slots). sgl_jax's package `__init__`s import server-only modules (zmq, fastapi,
 orjson, partial_json_parser) that the layer never calls; where they are not installed, placeholders
 stand in (`stub_server_modules`), and using one raises.
 """

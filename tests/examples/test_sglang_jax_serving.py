@@ -160,8 +160,20 @@ PREFIX_HIT = [
 
 @needs_checkout
 @pytest.mark.parametrize("track_interval", [None, str(INTERVAL)])
-def test_a_prefix_hit_scenario_runs_on_sgl_jax_and_the_verify_scenarios_skip(track_interval) -> None:
+def test_a_prefix_hit_scenario_runs_on_sgl_jax_and_the_verify_scenarios_skip(
+    monkeypatch, track_interval
+) -> None:
     from examples.sglang_jax.adapter import SglangJaxAdapter
+
+    from_track_slot = []  # per serving_copy: whether it copied from the source's track slot
+    snapshot_slot = SglangJaxAdapter._snapshot_slot
+
+    def spy(adapter, slot: int) -> int:
+        source = snapshot_slot(adapter, slot)
+        from_track_slot.append(source != slot)
+        return source
+
+    monkeypatch.setattr(SglangJaxAdapter, "_snapshot_slot", spy)
 
     assert {"serving_copy", "serving_load"} <= provided_calls(SglangJaxAdapter)
     assert "serving_accept" not in provided_calls(SglangJaxAdapter)
@@ -183,6 +195,8 @@ def test_a_prefix_hit_scenario_runs_on_sgl_jax_and_the_verify_scenarios_skip(tra
     hit = {check: result for check, result in found.items() if "prefix-hit" in check}
     assert {"serving-short-prefix-hit", "serving-short-prefix-hit-state"} <= set(hit)
     assert set(hit.values()) == {"passed"}, found
+    # the snapshots after i and 2i tokens are the published track slots; the hits copy the snapshots
+    assert from_track_slot == [track_interval is not None] * 2 + [False] * 2
     assert (
         found["serving-short-verify"].startswith("skipped:")
         and "serving_accept" in found["serving-short-verify"]
