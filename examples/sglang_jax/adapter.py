@@ -570,7 +570,8 @@ class SglangJaxAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, Servin
     ) -> tuple[np.ndarray | None, np.ndarray | None]:
         """The batch's `recurrent_track_indices` and `recurrent_track_mask` [per_dp_bs] as sgl-jax's
         `prepare_for_extend` / `prepare_for_decode` build them (`_build_recurrent_track_entries`, which
-        flips each boundary request's ping-pong index); None, None without `track_interval`."""
+        flips each boundary request's ping-pong index) for the N requests (seq_lens, slots, prefix_lens
+        [N]), zeros for the padding requests; None, None without `track_interval`."""
         interval = self.options[TRACK_OPTION]
         if not interval:
             return None, None
