@@ -19,10 +19,16 @@ and drives its own code wherever it imports:
 - the serving checks (docs/serving.md): one `RecurrentStatePool` (slot 0 its dummy), the slots from its
   `HybridReqToTokenPool`'s free list, each batch laid out as `ScheduleBatch.get_model_worker_batch`
   lays it out (`has_initial_state = prefix_lens > 0` in EXTEND, padding requests on slot 0) and run
-  through the same layer path with the backend's `get_forward_metadata`.
+  through the same layer path with the backend's `get_forward_metadata`; the optional verbs:
+  `serving_copy` through the pool's `copy_slots` (the copy-on-write of `--enable-unified-radix-tree`),
+  `serving_load` through the backend's `set_ssm_state` / `set_conv_state`; no `serving_accept` (its KDA
+  backend refuses TARGET_VERIFY). With `track_interval` the extra-buffer track slots are driven:
+  `HybridReqToTokenPool` with `enable_recurrent_extra_buffer`, each forward's track entries from
+  `_build_recurrent_track_entries`, a boundary's snapshot copied from its track slot.
 
 Options (strings): `sglang_jax` the checkout; `interpret` `1|0` Pallas interpret mode (default: on
-unless a TPU is present). sgl_jax's package `__init__`s import server-only modules (zmq, fastapi,
+unless a TPU is present); `track_interval` N > 0, sgl-jax's `--recurrent-track-interval` (default: no
+track slots). sgl_jax's package `__init__`s import server-only modules (zmq, fastapi,
 orjson, partial_json_parser) that the layer never calls; where they are not installed, placeholders
 stand in (`stub_server_modules`), and using one raises.
 """
@@ -44,6 +50,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from conformance.adapter import (
     KernelAdapter,
@@ -56,6 +64,8 @@ from examples.sglang_jax.layout import check_state, conv_state_to_dump, seq_lens
 from kda_spec.families import KIMI_LINEAR
 
 CHECKOUT_OPTION, CHECKOUT_ENV = "sglang_jax", "SGLANG_JAX"
+TRACK_OPTION = "track_interval"
+PING_PONG_SLOTS = 2  # a request's track slots under --enable-recurrent-extra-buffer (overlap scheduling)
 SERVER_ONLY_MODULES = (
     "zmq",
     "fastapi",
@@ -136,6 +146,8 @@ class SglangJaxAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, Servin
     OPTIONS: ClassVar[Mapping[str, str]] = {
         CHECKOUT_OPTION: f"path of a sglang-jax checkout (default: ${CHECKOUT_ENV})",
         "interpret": "1 or 0: run the Pallas kernels in interpret mode (default: 1 unless on a TPU)",
+        TRACK_OPTION: "N > 0: the serving pool's extra-buffer track slots, snapshots every N tokens "
+        "(sgl-jax's --recurrent-track-interval; default: none)",
     }
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -156,6 +168,7 @@ class SglangJaxAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, Servin
         self._forward = {mode: self._jit_forward(mode) for mode in ("extend", "decode")}
         self._chunk = jax.jit(self._chunk_call)
         self._chunk_raw_gate = jax.jit(self._chunk_raw_gate_call, static_argnames=("lower_bound",))
+        self._copy_slots = jax.jit(lambda pool, src, dst: pool.copy_slots(src, dst), donate_argnums=0)
 
     @classmethod
     def parse_options(cls, options: Mapping[str, str]) -> dict[str, Any]:
@@ -168,7 +181,14 @@ class SglangJaxAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, Servin
         interpret = values.get("interpret", "0" if jax.default_backend() == "tpu" else "1")
         if interpret not in ("0", "1"):
             raise ValueError(f"--impl-option interpret={interpret!r}: expected 1 or 0")
-        return {CHECKOUT_OPTION: checkout, "interpret": interpret}
+        track = values.get(TRACK_OPTION)
+        if track is not None and not (str(track).isdigit() and int(track) > 0):
+            raise ValueError(f"--impl-option {TRACK_OPTION}={track!r}: expected a whole number > 0")
+        return {
+            CHECKOUT_OPTION: checkout,
+            "interpret": interpret,
+            TRACK_OPTION: None if track is None else int(track),
+        }
 
     @property
     def kernel_used(self) -> str:
@@ -183,6 +203,7 @@ class SglangJaxAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, Servin
             "sgl_jax": str(self._source),
             "pallas_interpret": os.environ["PALLAS_INTERPRET"],
             "placeholders": self._stubbed,
+            TRACK_OPTION: self.options[TRACK_OPTION],
         }
 
     # --- the module -----------------------------------------------------------------------------------
@@ -439,12 +460,16 @@ class SglangJaxAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, Servin
     # --- serving (docs/serving.md) ----------------------------------------------------------------------
 
     def serving_open(self, num_slots: int) -> None:
-        """sglang-jax's `RecurrentStatePool` of `num_slots` slots (+ the dummy slot 0) and its
-        `HybridReqToTokenPool`, whose free list hands out and takes back the recurrent slots."""
+        """sglang-jax's `RecurrentStatePool` (+ the dummy slot 0) and its `HybridReqToTokenPool`, whose
+        free list hands out and takes back the recurrent slots; with `track_interval` the pool holds
+        `request_owned_slots` (a running slot and two ping-pong track slots) per request, as sgl-jax's
+        `--enable-recurrent-extra-buffer` sizes it."""
         c = self.config
+        interval = self.options[TRACK_OPTION]
+        per_request = 1 + PING_PONG_SLOTS if interval else 1
         self._serving_pool = self._sgl.RecurrentStatePool(
             [self._layer_idx],
-            num_slots,
+            num_slots * per_request,
             c.num_heads,
             c.head_dim,
             c.conv_size,
@@ -453,18 +478,31 @@ class SglangJaxAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, Servin
             conv_dtype=self._run_dtype,
         )
         self._req_pool = self._sgl.HybridReqToTokenPool(
-            size=num_slots, max_context_len=1, dtype=np.int32, recurrent_state_pool=self._serving_pool
+            size=num_slots,
+            max_context_len=1,
+            dtype=np.int32,
+            recurrent_state_pool=self._serving_pool,
+            enable_recurrent_extra_buffer=bool(interval),
+            ping_pong_slots=PING_PONG_SLOTS,
         )
+        self._requests: dict[int, types.SimpleNamespace] = {}  # running slot -> its request
         self._serving_host: tuple[np.ndarray, np.ndarray] | None = None
 
     def serving_alloc(self) -> int:
-        slot = self._req_pool.alloc_recurrent_slot()
-        if slot is None:
+        """A request's slots from `HybridReqToTokenPool.alloc`: its running slot (returned), and with
+        `track_interval` its ping-pong track slots."""
+        request = types.SimpleNamespace(
+            req_pool_idx=None, recurrent_pool_idx=None, dp_rank=0, is_chunked=0, kv_committed_len=0
+        )
+        if self._req_pool.alloc([request]) is None:
             raise RuntimeError("sglang-jax's recurrent free list is empty")
-        return int(slot)
+        request.seq_len = 0  # the tokens its slot's states have processed (None: not known here)
+        self._requests[request.recurrent_pool_idx] = request
+        return int(request.recurrent_pool_idx)
 
     def serving_free(self, slot: int) -> None:
-        self._req_pool.free_recurrent_slot(slot)
+        """`HybridReqToTokenPool.free`: the running slot and any track slots back to the free list."""
+        self._req_pool.free(self._requests.pop(slot))
 
     def serving_forward(
         self,
@@ -479,8 +517,11 @@ class SglangJaxAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, Servin
         then padding requests (recurrent index 0, the dummy slot; `has_initial_state` True as its
         `np.ones` leaves them) up to a request bucket; EXTEND: `has_initial_state = prefix_lens > 0`,
         padding requests of 0 tokens, the suite's padding rows and the token bucket's after the last
-        request's tokens; DECODE: one padding request per padding row. No track slots
-        (`recurrent_track_indices` None: no `--enable-recurrent-extra-buffer`)."""
+        request's tokens; DECODE: one padding request per padding row. Track slots: without
+        `track_interval` none (`recurrent_track_indices` None, no `--enable-recurrent-extra-buffer`); with
+        it sgl-jax's `_build_recurrent_track_entries` for the requests (a request whose forward ends on a
+        multiple of the interval has its state scattered into its next ping-pong track slot by the
+        backend), zeros for the padding requests."""
         if mode not in ("extend", "decode"):
             raise ValueError(f"mode must be 'extend' or 'decode', got {mode!r}")
         real, rows, num_reqs = int(np.sum(seq_lens)), hidden_states.shape[0], len(seq_lens)
@@ -499,6 +540,7 @@ class SglangJaxAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, Servin
             extend_seq_lens = np.zeros(per_dp_bs, np.int32)
             extend_seq_lens[:num_reqs] = seq_lens
             has_initial_state[:num_reqs] = np.asarray(prefix_lens) > 0
+        track_indices, track_mask = self._track_entries(mode, seq_lens, slots, prefix_lens, per_dp_bs)
         forward_mode = self._sgl.ForwardMode.EXTEND if mode == "extend" else self._sgl.ForwardMode.DECODE
         worker_batch = types.SimpleNamespace(
             forward_mode=forward_mode,
@@ -507,8 +549,8 @@ class SglangJaxAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, Servin
             per_dp_bs_size=per_dp_bs,
             recurrent_indices=recurrent_indices,
             has_initial_state=has_initial_state,
-            recurrent_track_indices=None,
-            recurrent_track_mask=None,
+            recurrent_track_indices=track_indices,
+            recurrent_track_mask=track_mask,
         )
         self._kda_backend.forward_metadata = self._kda_backend.get_forward_metadata(worker_batch)
         x = np.zeros((num_tokens, self.config.hidden_size), np.float32)
@@ -519,7 +561,95 @@ class SglangJaxAdapter(LayerAdapter, KernelAdapter, RawGateKernelAdapter, Servin
                 self._module, self._backend, jnp.asarray(x).astype(self._run_dtype), self._serving_pool
             )
         self._serving_pool.replace_buffer(([new_recurrent], [[new_conv]]))
+        for slot, prefix, n in zip(slots, prefix_lens, seq_lens, strict=True):
+            self._requests[int(slot)].seq_len = int(prefix) + int(n)
         return _to_numpy(out)[:rows]
+
+    def _track_entries(
+        self, mode: str, seq_lens: np.ndarray, slots: np.ndarray, prefix_lens: np.ndarray, per_dp_bs: int
+    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The batch's `recurrent_track_indices` and `recurrent_track_mask` [per_dp_bs] as sgl-jax's
+        `prepare_for_extend` / `prepare_for_decode` build them (`_build_recurrent_track_entries`, which
+        flips each boundary request's ping-pong index) for the N requests (seq_lens, slots, prefix_lens
+        [N]), zeros for the padding requests; None, None without `track_interval`."""
+        interval = self.options[TRACK_OPTION]
+        if not interval:
+            return None, None
+        requests = [self._requests[int(slot)] for slot in slots]
+        for request, n in zip(requests, seq_lens, strict=True):
+            request.extend_input_len = int(n)
+        indices, mask = np.zeros(per_dp_bs, np.int32), np.zeros(per_dp_bs, np.int32)
+        if requests:
+            final_lens = [int(p) + int(n) for p, n in zip(prefix_lens, seq_lens, strict=True)]
+            built = self._sgl.build_recurrent_track_entries(
+                requests, final_lens, interval=interval, pool=self._req_pool, is_extend=mode == "extend"
+            )
+            indices[: len(requests)], mask[: len(requests)] = built
+        return indices, mask
+
+    def serving_copy(self, src: int, dst: int) -> None:
+        """`RecurrentStatePool.copy_slots` (jitted, the pool donated, as sgl-jax's model runner runs it
+        for `--enable-unified-radix-tree`: `_maybe_apply_recurrent_cow`) from `src`'s snapshot into `dst`.
+        The snapshot is `src`'s running slot, or, with `track_interval`, its track slot holding the state
+        of its last boundary when its last forward ended there (the slot sgl-jax's radix tree takes)."""
+        source = self._snapshot_slot(src)
+        with jax.set_mesh(self._mesh):
+            recurrent, conv = self._copy_slots(
+                self._serving_pool, self._slot_indices(source), self._slot_indices(dst)
+            )
+        self._serving_pool.replace_buffer((recurrent, conv))
+        self._requests[dst].seq_len = self._requests[src].seq_len
+        self._serving_host = None
+
+    def _snapshot_slot(self, slot: int) -> int:
+        """Where `slot`'s request's current states are published: its keep ping-pong track slot when its
+        last boundary snapshot is at its current length, else the running slot itself."""
+        request = self._requests[slot]
+        last = getattr(request, "recurrent_last_track_seqlen", None)
+        if last is None or last != request.seq_len:
+            return slot
+        return int(
+            request.recurrent_ping_pong_track_buffer[self._req_pool.get_recurrent_ping_pong_keep_idx(request)]
+        )
+
+    def serving_load(self, slot: int, recurrent: np.ndarray, conv: np.ndarray) -> None:
+        """The slot's states written with the backend's own scatters, `KDAAttnBackend.set_ssm_state` and
+        `set_conv_state` (sgl-jax has no import of a slot: its disaggregation moves KV pages only).
+        recurrent: [H, K, V] float32; conv: [W-1, 3P] float32 (run-dtype values)."""
+        c = self.config
+        shapes = {
+            "recurrent": (c.num_heads, c.head_dim, c.head_dim),
+            "conv": (c.conv_size - 1, 3 * c.proj_dim),
+        }
+        for name, value in (("recurrent", recurrent), ("conv", conv)):
+            if np.shape(value) != shapes[name]:
+                raise ValueError(f"serving_load {name} has shape {np.shape(value)}, expected {shapes[name]}")
+        pool, index = self._serving_pool, self._slot_indices(slot)
+        packed_conv = np.asarray(conv, np.float32).T[None]  # [1, 3P, W-1], the pool's layout
+        with jax.set_mesh(self._mesh):
+            new_recurrent = self._kda_backend.set_ssm_state(
+                pool,
+                self._layer_idx,
+                index,
+                jax.device_put(np.asarray(recurrent, np.float32)[None], pool.recurrent_sharding),
+            )
+            new_conv = self._kda_backend.set_conv_state(
+                pool,
+                self._layer_idx,
+                index,
+                jax.device_put(jnp.asarray(packed_conv).astype(pool.conv_dtype), pool.conv_sharding),
+            )
+        pool.replace_buffer(([new_recurrent], [new_conv]))
+        self._requests[slot].seq_len = None
+        self._serving_host = None
+
+    def _slot_indices(self, *slots: int) -> jax.Array:
+        """Slot indices [n] int32 on the data axis, as sgl-jax's `device_array` puts its batch's."""
+        return jax.device_put(np.asarray(slots, np.int32), NamedSharding(self._mesh, P("data")))
+
+    # No serving_accept (and so no mode "verify"): `KDAAttnBackend.__call__` at cddbf6f runs EXTEND and
+    # DECODE only and raises NotImplementedError for TARGET_VERIFY, and `--enable-recurrent-extra-buffer`
+    # refuses speculative decoding; the scenarios that verify skip with the protocol's reason.
 
     def serving_state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         if self._serving_host is None:
@@ -561,6 +691,7 @@ class _SglJax:
     ForwardMode: Any
     chunk_kda: Any
     naive_recurrent_kda: Any
+    build_recurrent_track_entries: Any
 
     @classmethod
     def load(cls) -> _SglJax:
@@ -587,6 +718,9 @@ class _SglJax:
                 ).ForwardMode,
                 chunk_kda=kda.chunk_kda,
                 naive_recurrent_kda=kda.naive_recurrent_kda,
+                build_recurrent_track_entries=importlib.import_module(
+                    "sgl_jax.srt.managers.schedule_batch"
+                )._build_recurrent_track_entries,
             )
         except ImportError as err:
             raise ValueError(f"cannot import sgl_jax's KDA from the checkout: {err}") from err

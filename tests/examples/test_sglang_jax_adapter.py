@@ -120,5 +120,13 @@ def test_bad_weights_and_missing_checkout_are_named(
         SglangJaxAdapter.parse_options({})
     with pytest.raises(ValueError, match="interpret='yes': expected 1 or 0"):
         SglangJaxAdapter.parse_options({"sglang_jax": str(tmp_path), "interpret": "yes"})
+    with pytest.raises(ValueError, match="track_interval='0': expected a whole number > 0"):
+        SglangJaxAdapter.parse_options({"sglang_jax": str(tmp_path), "track_interval": "0"})
+    assert (
+        SglangJaxAdapter.parse_options({"sglang_jax": str(tmp_path), "track_interval": "64"})[
+            "track_interval"
+        ]
+        == 64
+    )
     with pytest.raises(ValueError, match="no sgl_jax/srt/kernels/kda under"):
         import_sgl_jax(str(tmp_path))
