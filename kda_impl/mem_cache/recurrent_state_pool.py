@@ -165,15 +165,15 @@ class RecurrentStatePool:
 
     def with_allocators_of(self, source: RecurrentStatePool) -> RecurrentStatePool:
         """This pool's buffers with the allocators of `source`, the pool a jax transformation took in
-        (ValueError when their layers or slot layouts differ)."""
-        if (source.layer_ids, source.layout) != (self.layer_ids, self.layout) or source.allocators is None:
+        (none when `source` has none: inside another transformation); ValueError when their layers or
+        slot layouts differ."""
+        if (source.layer_ids, source.layout) != (self.layer_ids, self.layout):
             raise ValueError(
-                f"with_allocators_of: the source pool (layers {source.layer_ids}, {source.layout}, "
-                f"allocators {'none' if source.allocators is None else 'held'}) cannot give its allocators "
-                f"to a pool of layers {self.layer_ids}, {self.layout}"
+                f"with_allocators_of: the source pool (layers {source.layer_ids}, {source.layout}) cannot "
+                f"give its allocators to a pool of layers {self.layer_ids}, {self.layout}"
             )
         return type(self)(
-            self.recurrent_buffer, self.conv_buffer, self.layer_ids, source.allocators,
+            self.recurrent_buffer, self.conv_buffer, self.layer_ids, source.allocators or source.layout,
             self.draft_recurrent_buffer, self.draft_conv_buffer,
         )  # fmt: skip
 
