@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# One prepared run on a GPU machine (steps 1-3 ≤ 8 minutes on an H200; step 4 not timed there yet, and
-# the deadline of --budget skips what does not fit), or its CPU half here (--cpu-smoke):
+# One prepared run on a GPU machine (steps 1-3 took under 8 minutes on an H200 without the glm sets;
+# those and step 4 are not timed there yet, and the deadline of --budget skips what does not fit), or
+# its CPU half here (--cpu-smoke):
 #   1. dump sets with the hub file (`--reference hf-hub`) and with fla (`--reference fla`) on the GPU:
-#      the mini set, and T64/T1024 at the real size (kimi-linear-48b-a3b);
+#      the mini set, and T64/T1024 at the real size (kimi-linear-48b-a3b); then the lower-bound family
+#      with fla (fused_kda_gate and chunk_kda with safe_gate / lower_bound): glm5-next-mini, all cases,
+#      and T64/T1024 at glm-5.3-flash's size;
 #   2. `python -m conformance run --kernel naive` (kda_impl's plain-JAX kernels on JAX's GPU) on each;
 #   3. fla's Triton chunk_kda against the plain-JAX chunk_kda at H=32, D=128, T = 1024, 8192, 32768;
-#   4. TF32 against IEEE fp32: the hub set of the last shape (fla's without a snapshot) made again with
-#      TRITON_F32_DEFAULT=tf32, and `benchmarks.tf32_compare`: each set's fp32 nRMSE against the float64
-#      truth and tf32 against ieee (tf32.json).
+#   4. TF32 against IEEE fp32: the hub set of the last Kimi-Linear shape (fla's without a snapshot) made
+#      again with TRITON_F32_DEFAULT=tf32, and `benchmarks.tf32_compare`: each set's fp32 nRMSE against
+#      the float64 truth and tf32 against ieee (tf32.json).
 # It uses the torch, JAX and triton already installed (python3, or $PYTHON) and installs nothing but the
 # wheels in .whl/ (fla-core, flash-linear-attention; add any other missing one there), into a
 # temporary folder. Every step has a time limit and the run a deadline (--budget); a step that fails or
@@ -21,7 +24,8 @@
 # --hub-snapshot defaults to $HUB_SNAPSHOT, else .hub-snapshot/ (git-ignored; never commit the hub
 # files): a folder with the hub's modeling_kimi.py, configuration_kimi.py and config.json. Without one
 # the hf-hub steps are skipped. --cpu-smoke: the same steps on this CPU at tiny sizes (hidden 32, 2 heads
-# of 16; the hub stand-in of the tests unless --hub-snapshot is given; no real-size sets), in < 2 min.
+# of 16; the hub stand-in of the tests unless --hub-snapshot is given; no real-size sets), in about
+# 2.5 min.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -111,14 +115,19 @@ cp "$OUT_DIR/logs/environment.log" "$OUT_DIR/environment.txt" 2>/dev/null
 declare -A SHAPE CASES
 if ((SMOKE)); then
   DEVICE=cpu
-  SET_NAMES=(mini)
+  SET_NAMES=(mini glm-mini)
+  TF32_SHAPE=mini
   SHAPE[mini]="--preset mini --hidden-size 32 --head-dim 16" CASES[mini]="T1 T65"
+  SHAPE[glm-mini]="--preset glm5-next-mini --hidden-size 32 --head-dim 16" CASES[glm-mini]="T1 T65"
   TIMING=(--device cpu --heads 2 --dim 16 --tokens 64 --repeats 1)
 else
   DEVICE=cuda
-  SET_NAMES=(mini real)
+  SET_NAMES=(mini real glm-mini glm-real)
+  TF32_SHAPE=real
   SHAPE[mini]="--preset mini" CASES[mini]=""
   SHAPE[real]="--preset kimi-linear-48b-a3b" CASES[real]="T64 T1024"
+  SHAPE[glm-mini]="--preset glm5-next-mini" CASES[glm-mini]=""
+  SHAPE[glm-real]="--preset glm-5.3-flash" CASES[glm-real]="T64 T1024"
   TIMING=(--device cuda --heads 32 --dim 128 --tokens 1024 8192 32768 --repeats 3)
 fi
 REFERENCES=(fla)
@@ -138,10 +147,12 @@ dump_args() {
   [[ -n ${CASES[$2]} ]] && args+=(--cases ${CASES[$2]})
 }
 
-# 1. The dump sets, the hub's first (the RFC's ground truth).
+# 1. The dump sets, the hub's first (the RFC's ground truth); the hub file has only Kimi-Linear's layer.
 DUMPED=()
 for name in "${SET_NAMES[@]}"; do
-  for reference in "${REFERENCES[@]}"; do
+  references=("${REFERENCES[@]}")
+  [[ $name == glm-* ]] && references=(fla)
+  for reference in "${references[@]}"; do
     dump_args "$reference" "$name" "$reference-$name"
     step "dump-$reference-$name" 150 "$PYTHON" -m dump_gen "${args[@]}" && DUMPED+=("$reference-$name")
   done
@@ -157,9 +168,9 @@ for dumped in "${DUMPED[@]}"; do
 done
 
 # 4. TF32 against IEEE fp32 (dump_gen keeps a TRITON_F32_DEFAULT it finds; its manifest records it).
-IEEE_SET="${REFERENCES[0]}-${SET_NAMES[-1]}"
+IEEE_SET="${REFERENCES[0]}-$TF32_SHAPE"
 if [[ " ${DUMPED[*]} " == *" $IEEE_SET "* ]]; then
-  dump_args "${REFERENCES[0]}" "${SET_NAMES[-1]}" "$IEEE_SET-tf32"
+  dump_args "${REFERENCES[0]}" "$TF32_SHAPE" "$IEEE_SET-tf32"
   step "dump-$IEEE_SET-tf32" 150 env TRITON_F32_DEFAULT=tf32 "$PYTHON" -m dump_gen "${args[@]}" \
     && step tf32-vs-ieee 60 "$PYTHON" -m benchmarks.tf32_compare "$OUT_DIR/dumps/$IEEE_SET" \
       "$OUT_DIR/dumps/$IEEE_SET-tf32" --out "$OUT_DIR/tf32.json"

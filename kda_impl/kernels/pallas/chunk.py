@@ -35,6 +35,7 @@ from kda_impl.kernels.pallas.common import (
     chunk_schedule,
     dot,
     dot_nt,
+    heads_one_at_a_time_if_interpreted,
     masked_sum,
     resolve_interpret,
     to_chunks,
@@ -129,7 +130,7 @@ def _chunk_packed(
 ) -> tuple[jax.Array, ...]:
     """Lay the packed batch out in chunks, run the kernel, gather o back: `(o [T, H, V], finals)`, and
     with `intermediate` the state entering each chunk `[NC, H, K, V]`."""
-    heads, key_dim = packed.inputs.q.shape[1:]
+    key_dim = packed.inputs.q.shape[-1]
     value_dim = packed.inputs.v.shape[-1]
     init = packed.init
     layout, schedule = chunk_schedule(packed.offsets(), packed.inputs.q.shape[0], chunk_size)
@@ -143,38 +144,48 @@ def _chunk_packed(
     in_specs = [chunk_block(key_dim), chunk_block(key_dim), chunk_block(value_dim), chunk_block(key_dim)]
     in_specs += [chunk_block(1), state_block]
     inputs = [qc, kc, vc, gc, bc[..., None], init]
+    head_axes = [1] * len(inputs)
     if gate is not None:
         in_specs += [
             pl.BlockSpec((None, 1, 1), lambda h, *_: (h, 0, 0)),
             pl.BlockSpec((None, 1, key_dim), lambda h, *_: (h, 0, 0)),
         ]
         inputs += list(gate)
+        head_axes += [0, 0]
     out_specs = [chunk_block(value_dim), state_block]
-    out_shape = [
-        jax.ShapeDtypeStruct((num_chunks, heads, chunk_size, value_dim), jnp.float32),
-        jax.ShapeDtypeStruct(init.shape, jnp.float32),
-    ]
     if intermediate:  # the state entering each chunk, one [K, V] block per (chunk, head)
         out_specs.append(pl.BlockSpec((None, None, key_dim, value_dim), lambda h, c, *_: (c, h, 0, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((num_chunks, heads, key_dim, value_dim), jnp.float32))
-    o_chunks, finals, *starts = pl.pallas_call(
-        functools.partial(
-            _chunk_kernel,
-            use_gate_in_kernel=gate is not None,
-            lower_bound=lower_bound,
-            intermediate=intermediate,
-        ),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(schedule),
-            grid=(heads, num_chunks),
-            in_specs=in_specs,
-            out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM((key_dim, value_dim), jnp.float32)],
-        ),
-        out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        interpret=interpret,
-    )(*schedule, *inputs)
+
+    def run(*inputs: jax.Array) -> list[jax.Array]:
+        heads = inputs[0].shape[1]
+        out_shape = [
+            jax.ShapeDtypeStruct((num_chunks, heads, chunk_size, value_dim), jnp.float32),
+            jax.ShapeDtypeStruct(inputs[5].shape, jnp.float32),  # like init
+        ]
+        if intermediate:
+            out_shape.append(jax.ShapeDtypeStruct((num_chunks, heads, key_dim, value_dim), jnp.float32))
+        return pl.pallas_call(
+            functools.partial(
+                _chunk_kernel,
+                use_gate_in_kernel=gate is not None,
+                lower_bound=lower_bound,
+                intermediate=intermediate,
+            ),
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=len(schedule),
+                grid=(heads, num_chunks),
+                in_specs=in_specs,
+                out_specs=out_specs,
+                scratch_shapes=[pltpu.VMEM((key_dim, value_dim), jnp.float32)],
+            ),
+            out_shape=out_shape,
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+            interpret=interpret,
+        )(*schedule, *inputs)
+
+    o_chunks, finals, *starts = heads_one_at_a_time_if_interpreted(
+        run, inputs, head_axes, interpret=interpret
+    )
     o = o_chunks[layout.slot, :, layout.row]  # [T, H, V]
     # A sequence of length zero owns no chunk: its final state is its initial one.
     return o, jnp.where(layout.nonempty[:, None, None, None], finals, init), *starts

@@ -1,7 +1,10 @@
-"""Pieces shared by the Pallas KDA kernels: interpret-mode choice, fp32 dots, the column layout of one
-token, the packed batch cut into chunks and the per-chunk schedule read through scalar prefetch."""
+"""Pieces shared by the Pallas KDA kernels: interpret-mode choice and its head-by-head runs, fp32 dots,
+the column layout of one token, the packed batch cut into chunks and the per-chunk schedule read through
+scalar prefetch."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +19,33 @@ def resolve_interpret(interpret: bool | None) -> bool:
     if interpret is None:
         return jax.default_backend() != "tpu"
     return interpret
+
+
+def heads_one_at_a_time_if_interpreted(
+    run: Callable[..., list[jax.Array]],
+    operands: Sequence[jax.Array],
+    head_axes: Sequence[int],
+    *,
+    interpret: bool,
+) -> list[jax.Array]:
+    """`run(*operands)`, a kernel over independent heads whose outputs have their head axis at 1; in
+    interpret mode, one head at a time.
+
+    Pallas' interpreter carries every operand through a loop over the grid, and XLA on a CPU copies each
+    whole operand at every grid step, so a step costs time in proportion to the operands' size (the
+    measurement is in docs/kernels.md). The heads are a `parallel` grid axis: run on each head's slice
+    of the operands (`head_axes[i]` is operand i's head axis), the kernel gives the same outputs and a
+    step costs one head's copies. Compiled (a TPU), `run` runs once, on every head.
+    """
+    if not interpret:
+        return run(*operands)
+
+    def one_head(slices: list[jax.Array]) -> list[jax.Array]:
+        return run(*(jnp.expand_dims(x, axis) for x, axis in zip(slices, head_axes, strict=True)))
+
+    heads_first = [jnp.moveaxis(x, axis, 0) for x, axis in zip(operands, head_axes, strict=True)]
+    per_head = jax.lax.map(one_head, heads_first)  # each [H, d0, 1, ...]
+    return [jnp.moveaxis(y[:, :, 0], 0, 1) for y in per_head]
 
 
 def dot(a: jax.Array, b: jax.Array) -> jax.Array:

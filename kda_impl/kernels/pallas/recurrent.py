@@ -25,6 +25,7 @@ from kda_impl.kernels.pallas.common import (
     COLUMNS,
     chunk_schedule,
     column_step,
+    heads_one_at_a_time_if_interpreted,
     pack_columns,
     resolve_interpret,
     to_chunks,
@@ -37,7 +38,7 @@ def _packed_fused_recurrent_kda(
 ) -> tuple[jax.Array, jax.Array]:
     """The kernel of `fused_recurrent_kda` on the packed batch (`entry.fla_entry`): lay it out in token
     blocks, run the kernel, gather o back: `(o [T, H, V], finals)`."""
-    heads, key_dim = packed.inputs.q.shape[1:]
+    key_dim = packed.inputs.q.shape[-1]
     value_dim = packed.inputs.v.shape[-1]
     init = packed.init
     block = RECURRENT_TOKENS_PER_STEP
@@ -45,29 +46,37 @@ def _packed_fused_recurrent_kda(
     qc, kc, vc, gc, bc = packed.inputs.scaled(scale).map(lambda x: to_chunks(x, layout))
     columns = pack_columns(qc, kc, gc, bc)  # [NC, H, block, K, 4]
     num_blocks = columns.shape[0]
+    interpret = resolve_interpret(interpret)
 
     row_block = pl.BlockSpec((None, None, block, 1, value_dim), lambda h, c, *_: (c, h, 0, 0, 0))
     state_block = pl.BlockSpec((None, None, key_dim, value_dim), lambda h, c, seq, *_: (seq[c], h, 0, 0))
-    o_blocks, finals = pl.pallas_call(
-        _recurrent_kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(schedule),
-            grid=(heads, num_blocks),
-            in_specs=[
-                pl.BlockSpec((None, None, block, key_dim, COLUMNS), lambda h, c, *_: (c, h, 0, 0, 0)),
-                row_block,
-                state_block,
+
+    def run(columns: jax.Array, v_rows: jax.Array, init: jax.Array) -> list[jax.Array]:
+        heads = columns.shape[1]
+        return pl.pallas_call(
+            _recurrent_kernel,
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=len(schedule),
+                grid=(heads, num_blocks),
+                in_specs=[
+                    pl.BlockSpec((None, None, block, key_dim, COLUMNS), lambda h, c, *_: (c, h, 0, 0, 0)),
+                    row_block,
+                    state_block,
+                ],
+                out_specs=[row_block, state_block],
+                scratch_shapes=[pltpu.VMEM((key_dim, value_dim), jnp.float32)],
+            ),
+            out_shape=[
+                jax.ShapeDtypeStruct((num_blocks, heads, block, 1, value_dim), jnp.float32),
+                jax.ShapeDtypeStruct(init.shape, jnp.float32),
             ],
-            out_specs=[row_block, state_block],
-            scratch_shapes=[pltpu.VMEM((key_dim, value_dim), jnp.float32)],
-        ),
-        out_shape=[
-            jax.ShapeDtypeStruct((num_blocks, heads, block, 1, value_dim), jnp.float32),
-            jax.ShapeDtypeStruct(init.shape, jnp.float32),
-        ],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        interpret=resolve_interpret(interpret),
-    )(*schedule, columns, vc[:, :, :, None, :], init)
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+            interpret=interpret,
+        )(*schedule, columns, v_rows, init)
+
+    o_blocks, finals = heads_one_at_a_time_if_interpreted(
+        run, [columns, vc[:, :, :, None, :], init], [1, 1, 1], interpret=interpret
+    )
     o = o_blocks[layout.slot, :, layout.row, 0]  # [T, H, V]
     # A sequence of length zero owns no block: its final state is its initial one.
     return o, jnp.where(layout.nonempty[:, None, None, None], finals, init)
