@@ -156,11 +156,12 @@ def _chunk_packed(
     if intermediate:  # the state entering each chunk, one [K, V] block per (chunk, head)
         out_specs.append(pl.BlockSpec((None, None, key_dim, value_dim), lambda h, c, *_: (c, h, 0, 0)))
 
-    def run(*inputs: jax.Array) -> list[jax.Array]:
+    def run(*inputs: jax.Array) -> list[jax.Array]:  # the operands above, on `heads` heads
         heads = inputs[0].shape[1]
+        init = inputs[5]
         out_shape = [
             jax.ShapeDtypeStruct((num_chunks, heads, chunk_size, value_dim), jnp.float32),
-            jax.ShapeDtypeStruct(inputs[5].shape, jnp.float32),  # like init
+            jax.ShapeDtypeStruct(init.shape, jnp.float32),
         ]
         if intermediate:
             out_shape.append(jax.ShapeDtypeStruct((num_chunks, heads, key_dim, value_dim), jnp.float32))
