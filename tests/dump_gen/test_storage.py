@@ -120,7 +120,11 @@ real, calls = generate.case_arrays, itertools.count()
 def slow(*args, **kwargs):
     if next(calls) == 1:
         print("second case", flush=True)
-        time.sleep(600)
+        # Short sleeps, as a real case's work returns to Python often: SIGINT may land on another of the
+        # process's threads (tqdm's monitor, torch's), and then the main thread sees it only between
+        # bytecodes, not inside one long sleep.
+        for _ in range(6000):
+            time.sleep(0.1)
     return real(*args, **kwargs)
 generate.case_arrays = slow
 from dump_gen.cli import main
