@@ -19,42 +19,26 @@ from conformance.checks import kinds
 from conformance.checks.calls import l2norm
 from conformance.checks.catalogue import CheckSkipped, CheckSpec
 from conformance.checks.kinds import Check
-from conformance.checks.runner import CHECKPOINT_KERNEL_TRUTH_SOURCE, CheckRunner
+from conformance.checks.runner import CHECKPOINT_KERNEL_TRUTH_SOURCE
 from conformance.checks.truth import KERNEL_INPUTS
 from conformance.dumps.reader import DumpSet
-from conformance.policy import TolerancePolicy
-from conformance.search.dumpcase import CASE_ID, write_case_set
-from conformance.search.space import SearchCase
-from conformance.search.weight_sets import weight_sets
+from conformance.search.dumpcase import CASE_ID
 from conformance.tools.diff import run_stages, state_defects
 from kda_spec.truth import chunk_starts, packed_chunk_start_states, packed_delta_rule
 from tests.conformance.checkpoint_adapters import CheckpointOneChunkLate
+from tests.conformance.family_case_sets import BOTH_RUNS_AND_GLM, check_runner, write_case_sets
 from tests.conformance.kernel_only_adapter import KernelOnlyAdapter
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 ADAPTERS_DOC = Path(__file__).resolve().parents[2] / "docs" / "adapters.md"
 CHECKPOINTS = Check(kinds.KERNEL_CHUNK_CHECKPOINTS)
 SEQ_LENS = (150, 64, 30)  # 3, 1 and 1 chunks of 64: a partial last chunk, a whole one, a short sequence
-# (weight set, run): Kimi-Linear in both runs, GLM's lower-bound gate at L = -3.
-SETS = (("synthetic", "fp32"), ("synthetic", "bf16"), ("glm5-next@L-3/synthetic", "fp32"))
 
 
 @pytest.fixture(scope="module")
 def case_sets(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
-    """One-case sets of SEQ_LENS with small initial states, by (family, run)."""
-    sets = weight_sets(None, "mini", 0, {"kimi-linear", "glm5-next"})
-    folders = {}
-    for name, dtype in SETS:
-        folder = tmp_path_factory.mktemp("checkpoints") / "set"
-        weight_set = sets[name]
-        case = SearchCase(dtype, name, SEQ_LENS, init="small")
-        write_case_set(str(folder), case, weight_set.weights, weight_set.config, weight_set.source, {})
-        folders[weight_set.config.family, dtype] = folder
-    return folders
-
-
-def _runner(folder: Path, adapter_class: type) -> CheckRunner:
-    return CheckRunner(DumpSet(str(folder)), adapter_class, "auto", TolerancePolicy.load(), {})
+    """One-case sets of SEQ_LENS, by (family, run)."""
+    return write_case_sets(tmp_path_factory, BOTH_RUNS_AND_GLM, SEQ_LENS)
 
 
 def test_the_truth_of_a_checkpoint_is_the_final_state_of_its_prefix() -> None:
@@ -85,7 +69,7 @@ def test_the_truth_of_a_checkpoint_is_the_final_state_of_its_prefix() -> None:
     ("family", "dtype"), [("kimi-linear", "fp32"), ("kimi-linear", "bf16"), ("glm5-next", "fp32")]
 )
 def test_kda_impl_passes_the_checkpoint_check(case_sets, family: str, dtype: str) -> None:
-    runner = _runner(case_sets[family, dtype], KDAImplAdapter)
+    runner = check_runner(case_sets[family, dtype], KDAImplAdapter)
     result = runner.run(CheckSpec(CASE_ID, dtype, CHECKPOINTS))
     comparison = result.comparison
     assert comparison.passed, comparison.verdict
@@ -115,7 +99,7 @@ def test_kda_impl_reads_them_from_its_chunk_program_and_refuses_others(case_sets
 
 
 def test_checkpoints_one_chunk_late_fail_it_as_a_state_defect_of_the_kernel(case_sets) -> None:
-    runner = _runner(case_sets["kimi-linear", "fp32"], CheckpointOneChunkLate)
+    runner = check_runner(case_sets["kimi-linear", "fp32"], CheckpointOneChunkLate)
     assert not runner.run(CheckSpec(CASE_ID, "fp32", CHECKPOINTS)).comparison.passed
     stages = {row.check: row for row in run_stages(runner, CASE_ID, "fp32")}
     kernel = ("kernel-chunk", "kernel-chunk-state", "kernel-recurrent", "kernel-recurrent-state")
@@ -140,13 +124,13 @@ def test_the_skeleton_of_the_docs_passes_it(case_sets) -> None:
         exec(compile(_doc_block(heading), str(ADAPTERS_DOC), "exec"), namespace)
     adapter_class = namespace["MyCheckpointAdapter"]
     for dtype in ("fp32", "bf16"):
-        runner = _runner(case_sets["kimi-linear", dtype], adapter_class)
+        runner = check_runner(case_sets["kimi-linear", dtype], adapter_class)
         comparison = runner.run(CheckSpec(CASE_ID, dtype, CHECKPOINTS)).comparison
         assert comparison.passed, comparison.verdict
 
 
 def test_an_adapter_without_the_protocol_skips_it_with_the_reason(case_sets) -> None:
-    runner = _runner(case_sets["kimi-linear", "fp32"], KernelOnlyAdapter)
+    runner = check_runner(case_sets["kimi-linear", "fp32"], KernelOnlyAdapter)
     reason = (
         "adapter 'numpy kernels only' implements no checkpoint-kernel protocol "
         "(conformance.adapter.CheckpointKernelAdapter)"

@@ -16,38 +16,21 @@ from conformance.checks import kinds
 from conformance.checks.catalogue import CheckSkipped, CheckSpec
 from conformance.checks.kinds import Check
 from conformance.checks.runner import RAW_GATE_KERNEL_TRUTH_SOURCE, CheckRunner
-from conformance.dumps.reader import DumpSet
-from conformance.policy import TolerancePolicy
-from conformance.search.dumpcase import CASE_ID, write_case_set
-from conformance.search.space import SearchCase
-from conformance.search.weight_sets import weight_sets
+from conformance.search.dumpcase import CASE_ID
 from conformance.tools.diff import first_out_of_tolerance, run_stages
+from tests.conformance.family_case_sets import BOTH_RUNS_AND_GLM, check_runner, write_case_sets
 from tests.conformance.kernel_only_adapter import KernelOnlyAdapter
 from tests.conformance.raw_gate_adapters import RawGateSoftplusEverywhere, RawGateWithoutDtBias
 from tests.conformance.synthetic import write_dump_set
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 RAW_GATE_CHECKS = [Check(kind) for kind in kinds.RAW_GATE_KERNEL_KINDS]
-# (weight set, run): Kimi-Linear in both runs, GLM's lower-bound gate at L = -3.
-SETS = (("synthetic", "fp32"), ("synthetic", "bf16"), ("glm5-next@L-3/synthetic", "fp32"))
 
 
 @pytest.fixture(scope="module")
 def case_sets(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
-    """One-case sets (40 + 20 tokens, small initial states) with g_raw, by (family, run)."""
-    sets = weight_sets(None, "mini", 0, {"kimi-linear", "glm5-next"})
-    folders = {}
-    for name, dtype in SETS:
-        folder = tmp_path_factory.mktemp("raw-gate") / "set"
-        weight_set = sets[name]
-        case = SearchCase(dtype, name, (40, 20), init="small")
-        write_case_set(str(folder), case, weight_set.weights, weight_set.config, weight_set.source, {})
-        folders[weight_set.config.family, dtype] = folder
-    return folders
-
-
-def _runner(folder: Path, adapter_class: type) -> CheckRunner:
-    return CheckRunner(DumpSet(str(folder)), adapter_class, "auto", TolerancePolicy.load(), {})
+    """One-case sets (40 + 20 tokens) with g_raw, by (family, run)."""
+    return write_case_sets(tmp_path_factory, BOTH_RUNS_AND_GLM, (40, 20))
 
 
 def _passed(runner: CheckRunner, dtype: str) -> dict[str, bool]:
@@ -62,7 +45,7 @@ def _passed(runner: CheckRunner, dtype: str) -> dict[str, bool]:
     ("family", "dtype"), [("kimi-linear", "fp32"), ("kimi-linear", "bf16"), ("glm5-next", "fp32")]
 )
 def test_kda_impl_passes_the_raw_gate_checks(case_sets, family: str, dtype: str) -> None:
-    runner = _runner(case_sets[family, dtype], KDAImplAdapter)
+    runner = check_runner(case_sets[family, dtype], KDAImplAdapter)
     for check in RAW_GATE_CHECKS:
         comparison = runner.run(CheckSpec(CASE_ID, dtype, check)).comparison
         assert comparison.passed, (check.name, comparison.verdict)
@@ -71,7 +54,7 @@ def test_kda_impl_passes_the_raw_gate_checks(case_sets, family: str, dtype: str)
 
 
 def test_a_raw_gate_form_without_dt_bias_fails_them_at_the_raw_gate_kernel(case_sets) -> None:
-    runner = _runner(case_sets["kimi-linear", "fp32"], RawGateWithoutDtBias)
+    runner = check_runner(case_sets["kimi-linear", "fp32"], RawGateWithoutDtBias)
     assert _passed(runner, "fp32") == {check.name: False for check in RAW_GATE_CHECKS}
     stages = run_stages(runner, CASE_ID, "fp32")
     first = first_out_of_tolerance(stages)
@@ -84,13 +67,14 @@ def test_a_raw_gate_form_without_dt_bias_fails_them_at_the_raw_gate_kernel(case_
 
 
 def test_a_raw_gate_form_without_the_lower_bound_passes_kimi_and_fails_glm(case_sets) -> None:
-    assert all(_passed(_runner(case_sets["kimi-linear", "fp32"], RawGateSoftplusEverywhere), "fp32").values())
-    glm = _passed(_runner(case_sets["glm5-next", "fp32"], RawGateSoftplusEverywhere), "fp32")
+    kimi = _passed(check_runner(case_sets["kimi-linear", "fp32"], RawGateSoftplusEverywhere), "fp32")
+    assert all(kimi.values())
+    glm = _passed(check_runner(case_sets["glm5-next", "fp32"], RawGateSoftplusEverywhere), "fp32")
     assert glm == {check.name: False for check in RAW_GATE_CHECKS}
 
 
 def test_an_adapter_without_the_raw_gate_form_skips_them_with_the_reason(case_sets) -> None:
-    runner = _runner(case_sets["kimi-linear", "fp32"], KernelOnlyAdapter)
+    runner = check_runner(case_sets["kimi-linear", "fp32"], KernelOnlyAdapter)
     reason = (
         "adapter 'numpy kernels only' implements no raw-gate-kernel protocol "
         "(conformance.adapter.RawGateKernelAdapter)"
@@ -105,7 +89,7 @@ def test_an_adapter_without_the_raw_gate_form_skips_them_with_the_reason(case_se
 def test_a_set_without_g_raw_skips_them_with_the_reason(tmp_path: Path) -> None:
     """A format-v1 set written before the raw gate: the reader takes it, the raw-gate checks skip."""
     dumps = write_dump_set(tmp_path / "old", ("T8",), dtypes=("fp32",))
-    runner = _runner(dumps, KDAImplAdapter)
+    runner = check_runner(dumps, KDAImplAdapter)
     for check in RAW_GATE_CHECKS:
         with pytest.raises(CheckSkipped, match=r"the dump has no \['g_raw'\]: the raw-gate kernel inputs"):
             runner.run(CheckSpec("T8", "fp32", check))
