@@ -143,6 +143,18 @@ def delta_rule(
     return o, state
 
 
+def _sequence_initial_state(
+    initial_state: np.ndarray | None,  # [N, H, D_k, D_v] or None (zeros)
+    index: int,
+    q: np.ndarray,  # [T, H, D_k]
+    v: np.ndarray,  # [T, H, D_v]
+) -> np.ndarray:
+    """Sequence `index`'s initial state `[H, D_k, D_v]` in q's dtype."""
+    if initial_state is None:
+        return np.zeros((q.shape[1], q.shape[2], v.shape[2]), q.dtype)
+    return np.asarray(initial_state[index], q.dtype)
+
+
 def packed_delta_rule(
     q: np.ndarray,
     k: np.ndarray,
@@ -155,15 +167,10 @@ def packed_delta_rule(
     """`delta_rule` on a packed batch: q, k (L2-normalised), v, g [T, H, D], beta [T, H], `cu_seqlens`
     [N+1], `initial_state` [N, H, D_k, D_v] or None (zeros). Returns o [T, H, D] and the final states
     [N, H, D_k, D_v], in q's dtype."""
-    heads, dim = q.shape[1], q.shape[2]
     o = np.empty_like(v)
     states = []
     for index, (start, end) in enumerate(itertools.pairwise(np.asarray(cu_seqlens).tolist())):
-        state = (
-            np.zeros((heads, dim, v.shape[2]), q.dtype)
-            if initial_state is None
-            else np.asarray(initial_state[index], q.dtype)
-        )
+        state = _sequence_initial_state(initial_state, index, q, v)
         o[start:end], final = delta_rule(
             q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], state
         )
@@ -199,11 +206,7 @@ def packed_chunk_start_states(
     starts, state = [], None
     for index, before in chunk_starts([end - begin for begin, end in itertools.pairwise(cu)], chunk_size):
         if before == 0:  # a sequence starts
-            state = (
-                np.zeros((heads, dim, v.shape[2]), q.dtype)
-                if initial_state is None
-                else np.asarray(initial_state[index], q.dtype)
-            )
+            state = _sequence_initial_state(initial_state, index, q, v)
         starts.append(state)
         rows = slice(cu[index] + before, min(cu[index] + before + chunk_size, cu[index + 1]))
         _, state = delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], state)
