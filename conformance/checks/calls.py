@@ -8,7 +8,7 @@ there is one); each result is computed once per case for every check that needs 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ml_dtypes
@@ -43,6 +43,26 @@ def l2norm(x: np.ndarray) -> np.ndarray:
     """Per-head L2 normalisation in fp32, as the kernels expect q and k (kda-layer.md step 5)."""
     x = np.asarray(x, np.float32)
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + np.float32(L2NORM_EPS))
+
+
+def _dumped_stages(case: CaseData, dtype: str, names: Sequence[str], absent: str) -> dict[str, np.ndarray]:
+    """The `dtype` run's dumped results `names`; CheckSkipped naming those the dump lacks, with `absent`
+    (what their absence means)."""
+    missing = [fmt.result_key(name, dtype) for name in names if case.result(name, dtype) is None]
+    if missing:
+        raise CheckSkipped(f"the dump has no {missing}: {absent}")
+    return {name: case.result(name, dtype) for name in names}
+
+
+def _kernel_arguments(case: CaseData, stages: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """A kernel call's arguments, in the kernel protocol's order, from the conv outputs, g and beta in
+    `stages` (`KERNEL_INPUTS`): q and k l2-normalised, as the kernels get them; the case's packing and
+    initial states."""
+    q, k, v, g, beta = (np.asarray(stages[name]) for name in KERNEL_INPUTS)
+    return {
+        "q": l2norm(q), "k": l2norm(k), "v": v, "g": g, "beta": beta,
+        "cu_seqlens": case.cu_seqlens, "initial_state": case.initial_state,
+    }  # fmt: skip
 
 
 def raw_gate_kernel_inputs() -> tuple[str, ...]:
@@ -153,56 +173,41 @@ class ImplementationCalls:
 
     def kernel_on_dump(self, case: CaseData, dtype: str, path: str) -> tuple[np.ndarray, np.ndarray]:
         """The chunk or recurrent kernel on the dumped q, k, v, g, beta of this run."""
-        missing = [fmt.result_key(name, dtype) for name in KERNEL_INPUTS if case.result(name, dtype) is None]
-        if missing:
-            raise CheckSkipped(f"the dump has no {missing}: the kernel inputs are not in it")
-        stages = {name: case.result(name, dtype) for name in KERNEL_INPUTS}
+        stages = _dumped_stages(case, dtype, KERNEL_INPUTS, "the kernel inputs are not in it")
         return self._results.get(("kernel", dtype, path), lambda: self.run_kernel(case, dtype, path, stages))
 
     def run_kernel(
         self, case: CaseData, dtype: str, path: str, stages: dict[str, np.ndarray]
     ) -> tuple[np.ndarray, np.ndarray]:
         """The `path` kernel ("chunk" or "fused_recurrent") on the conv outputs, g and beta in `stages`."""
-        q, k, v, g, beta = (np.asarray(stages[name]) for name in KERNEL_INPUTS)
         method = "chunk_kernel" if path == "chunk" else "recurrent_kernel"
-        arguments = {
-            "q": l2norm(q), "k": l2norm(k), "v": v, "g": g, "beta": beta,
-            "cu_seqlens": case.cu_seqlens, "initial_state": case.initial_state,
-        }  # fmt: skip
-        shapes = self._shapes(len(q), len(case.cu_seqlens) - 1)
+        arguments = _kernel_arguments(case, stages)
+        shapes = self._shapes(len(arguments["q"]), len(case.cu_seqlens) - 1)
         return self._call(dtype, method, arguments, checked_kernel_result, shapes)
 
     def checkpoints_on_dump(self, case: CaseData, dtype: str) -> np.ndarray:
         """The chunk kernel's state entering every `CHECKPOINT_CHUNK_SIZE`-token chunk of each sequence
         (`chunk_kernel_checkpoints`, [NT, H, D, D]) on the dumped q, k, v, g, beta of this run."""
-        missing = [fmt.result_key(name, dtype) for name in KERNEL_INPUTS if case.result(name, dtype) is None]
-        if missing:
-            raise CheckSkipped(f"the dump has no {missing}: the kernel inputs are not in it")
-        stages = {name: case.result(name, dtype) for name in KERNEL_INPUTS}
+        stages = _dumped_stages(case, dtype, KERNEL_INPUTS, "the kernel inputs are not in it")
         return self._results.get(("checkpoints", dtype), lambda: self.run_checkpoints(case, dtype, stages))
 
     def run_checkpoints(self, case: CaseData, dtype: str, stages: dict[str, np.ndarray]) -> np.ndarray:
         """`chunk_kernel_checkpoints` on the conv outputs, g and beta in `stages`."""
-        q, k, v, g, beta = (np.asarray(stages[name]) for name in KERNEL_INPUTS)
-        arguments = {
-            "q": l2norm(q), "k": l2norm(k), "v": v, "g": g, "beta": beta, "cu_seqlens": case.cu_seqlens,
-            "initial_state": case.initial_state, "chunk_size": CHECKPOINT_CHUNK_SIZE,
-        }  # fmt: skip
+        arguments = {**_kernel_arguments(case, stages), "chunk_size": CHECKPOINT_CHUNK_SIZE}
         chunks = chunk_starts(np.diff(case.cu_seqlens).tolist(), CHECKPOINT_CHUNK_SIZE)
-        shapes = self._shapes(len(q), len(chunks))
+        shapes = self._shapes(len(arguments["q"]), len(chunks))
         return self._call(dtype, "chunk_kernel_checkpoints", arguments, checked_checkpoints, shapes)
 
     def raw_gate_kernel_on_dump(self, case: CaseData, dtype: str, path: str) -> tuple[np.ndarray, np.ndarray]:
         """The chunk or recurrent kernel's raw-gate form on the dumped q, k, v, raw gate and beta of this
         run, with the dump's `A_log` and `dt_bias` and the family's lower bound."""
-        names = raw_gate_kernel_inputs()
-        missing = [fmt.result_key(name, dtype) for name in names if case.result(name, dtype) is None]
-        if missing:
-            raise CheckSkipped(
-                f"the dump has no {missing}: the raw-gate kernel inputs are not in it (a set written "
-                f"before dump_gen stored the raw gate {fmt.GATE_INPUT_KEY!r})"
-            )
-        stages = {name: case.result(name, dtype) for name in names}
+        stages = _dumped_stages(
+            case,
+            dtype,
+            raw_gate_kernel_inputs(),
+            f"the raw-gate kernel inputs are not in it (a set written before dump_gen stored the raw gate "
+            f"{fmt.GATE_INPUT_KEY!r})",
+        )
         return self._results.get(
             ("raw-gate kernel", dtype, path), lambda: self.run_raw_gate_kernel(case, dtype, path, stages)
         )
