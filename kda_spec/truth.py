@@ -35,9 +35,10 @@ float32; this module agrees with an np.longdouble run of itself to 1e-15 (tests/
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -45,6 +46,10 @@ import numpy as np
 from kda_spec.config import KDAConfig
 from kda_spec.families import canonical_weights
 from kda_spec.weight_names import fp32_weights
+
+# An error added to every result of a reduction `sum_i a_i b_i`, given `sum_i |a_i b_i|` of each (the scale
+# of a summation order's rounding): `layer_truth(reduction_error=...)`.
+ReductionError = Callable[[np.ndarray], np.ndarray]
 
 IMPLEMENTATION = (
     "kda_spec.truth: the layer's math re-implemented in numpy float64 (projections, causal short conv, "
@@ -106,15 +111,24 @@ def raw_gate_decay(
     return forget_gate(g_raw + dt_bias.reshape(config.num_heads, config.head_dim), a_log, config)
 
 
-def short_conv(u: np.ndarray, weight: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+def short_conv(
+    u: np.ndarray,
+    weight: np.ndarray,
+    spans: list[tuple[int, int]],
+    reduction_error: ReductionError | None = None,
+) -> np.ndarray:
     """silu of the causal depthwise conv of `u` [T, C] with `weight` [C, 1, W], each sequence from a zero
-    conv state: `y[t] = sum_j weight[:, 0, j] * u[t - (W-1) + j]`."""
+    conv state: `y[t] = sum_j weight[:, 0, j] * u[t - (W-1) + j]`; `reduction_error` (`layer_truth`) is
+    added to each sum before the silu."""
     width = weight.shape[-1]
     taps = weight[:, 0, :]
     y = np.empty_like(u)
     for start, end in spans:
         padded = np.concatenate([np.zeros((width - 1, u.shape[1]), u.dtype), u[start:end]])
         y[start:end] = sum(taps[:, j] * padded[j : j + end - start] for j in range(width))
+        if reduction_error is not None:
+            magnitude = sum(np.abs(taps[:, j] * padded[j : j + end - start]) for j in range(width))
+            y[start:end] += reduction_error(magnitude)
     return y * sigmoid(y)
 
 
@@ -227,6 +241,7 @@ def layer_truth(
     dtype: type[np.floating] = np.float64,
     rounded: Callable[[np.ndarray], np.ndarray] | None = None,
     operand: Callable[[np.ndarray], np.ndarray] | None = None,
+    reduction_error: ReductionError | None = None,
 ) -> dict[str, np.ndarray]:
     """The layer on one packed batch, every step in `dtype`: `out` [T, hidden], `recurrent_state`
     [N, H, D, D] and the dump's intermediates (`q_after_conv` ... `o_norm`, and the raw gate `g_raw`),
@@ -238,6 +253,10 @@ def layer_truth(
     `rounded`: applied at the precision contract's bf16 rounding points (`_layer`); None rounds nowhere.
     `operand`: applied to both operands of every projection, the product then exact (a matmul that
     rounds its inputs: `operand_rounding`); None leaves them as they are.
+    `reduction_error`: added to the result of every sum of products of the layer outside the recurrence
+    (each projection's and o_proj's dot products, the short conv's sums), given each result's
+    `sum |a_i b_i|` (a summation order's rounding: `conformance.checks.truth.computed_reduction_spread`);
+    the norms' sums of squares, which cannot cancel, are left exact. None adds none.
     """
     w = {name: np.asarray(array, dtype) for name, array in canonical_weights(config, weights).items()}
     spans = list(itertools.pairwise(np.asarray(cu_seqlens).tolist()))
@@ -256,7 +275,37 @@ def layer_truth(
         config,
         rounded or _exact,
         operand or _exact,
+        reduction_error,
     )
+
+
+def layer_truths(
+    weights: Mapping[str, np.ndarray],
+    hidden_states: np.ndarray,
+    cu_seqlens: np.ndarray,
+    initial_state: np.ndarray | None,
+    config: KDAConfig,
+    reduction_errors: Sequence[ReductionError | None],
+) -> list[dict[str, np.ndarray]]:
+    """`layer_truth` in float64 once per entry of `reduction_errors` (its `reduction_error`; None: none),
+    arguments as there, their recurrences run as one: every run's heads side by side in one packed delta
+    rule, so that a few runs cost about one's token loop."""
+    w = {name: np.asarray(array, np.float64) for name, array in canonical_weights(config, weights).items()}
+    x = np.asarray(hidden_states, np.float64)
+    spans = list(itertools.pairwise(np.asarray(cu_seqlens).tolist()))
+    projections = [_Projections(w, reduction_error=error) for error in reduction_errors]
+    stages = [_kernel_stages(x, spans, 0, config, project) for project in projections]
+    side_by_side = [np.concatenate(parts, axis=1) for parts in zip(*map(_kernel_inputs, stages))]
+    init = None if initial_state is None else np.asarray(initial_state, np.float64)
+    inits = None if init is None else np.concatenate([init] * len(stages), axis=1)
+    o, states = packed_delta_rule(*side_by_side, cu_seqlens, inits)
+    heads = config.num_heads
+    return [
+        _after_kernel(
+            run, o[:, i * heads : (i + 1) * heads], states[:, i * heads : (i + 1) * heads], config, project
+        )
+        for i, (run, project) in enumerate(zip(stages, projections))
+    ]
 
 
 def mantissa_rounded(array: np.ndarray, mantissa_bits: int) -> np.ndarray:
@@ -347,6 +396,7 @@ def _layer(
     config: KDAConfig,
     rounded: Callable[[np.ndarray], np.ndarray] = _exact,
     operand: Callable[[np.ndarray], np.ndarray] = _exact,
+    reduction_error: ReductionError | None = None,
 ) -> dict[str, np.ndarray]:
     """The layer's math with canonical weights `w` on the rows `x[skip:]` of `x` [T, hidden], `x[:skip]`
     being only the short conv's context; `spans` the sequences of `x`, each from a zero conv state;
@@ -358,36 +408,88 @@ def _layer(
     every projection's output, the conv after silu, the kernel output o, the gated norm's output and
     `out`; beta's sigmoid, the gate g, the l2 norm and the recurrence take the rounded values exactly.
     The truth rounds nowhere (`_exact`); the contract's model rounds with `bf16_contract_rounding`.
-    `operand` is applied to both operands of every projection (`layer_truth`)."""
-    heads, dim = config.num_heads, config.head_dim
+    `operand` is applied to both operands of every projection, `reduction_error` added to every
+    projection's and conv sum's result (`layer_truth`)."""
+    project = _Projections(w, rounded, operand, reduction_error)
+    stages = _kernel_stages(x, spans, skip, config, project)
+    o, states = recurrence(*_kernel_inputs(stages))
+    return _after_kernel(stages, o, states, config, project)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Projections:
+    """The layer's projections with canonical weights `w`, as `_layer` computes them (`rounded`,
+    `operand`, `reduction_error` as there): `project(a [T, in], name)` is `name`'s output [T, out]."""
+
+    w: Mapping[str, np.ndarray]
+    rounded: Callable[[np.ndarray], np.ndarray] = _exact
+    operand: Callable[[np.ndarray], np.ndarray] = _exact
+    reduction_error: ReductionError | None = None
+
+    def __call__(self, a: np.ndarray, name: str) -> np.ndarray:
+        weight = self.w[f"{name}.weight"]
+        y = self.operand(a) @ self.operand(weight).T
+        if self.reduction_error is not None:
+            y = y + self.reduction_error(np.abs(a) @ np.abs(weight).T)
+        return self.rounded(y)
+
+
+def _kernel_stages(
+    x: np.ndarray, spans: list[tuple[int, int]], skip: int, config: KDAConfig, project: _Projections
+) -> dict[str, np.ndarray]:
+    """The layer's results before its recurrence (`_layer`'s arguments): `q/k/v_after_conv`, `g`,
+    `g_raw`, `beta`, `g_out`, by dump name."""
+    w, heads, dim = project.w, config.num_heads, config.head_dim
     tokens = x.shape[0] - skip
 
     def per_head(a: np.ndarray) -> np.ndarray:
         return a.reshape(tokens, heads, dim)
 
-    def projected(a: np.ndarray, name: str) -> np.ndarray:
-        return rounded(operand(a) @ operand(w[f"{name}.weight"]).T)
+    def conv(n: str) -> np.ndarray:
+        y = short_conv(project(x, f"{n}_proj"), w[f"{n}_conv1d.weight"], spans, project.reduction_error)
+        return per_head(project.rounded(y)[skip:])
 
-    q, k, v = (
-        per_head(rounded(short_conv(projected(x, f"{n}_proj"), w[f"{n}_conv1d.weight"], spans))[skip:])
-        for n in "qkv"
-    )
+    q, k, v = (conv(n) for n in "qkv")
     x = x[skip:]
-    g_raw = per_head(projected(projected(x, "f_a_proj"), "f_b_proj"))
-    g = raw_gate_decay(g_raw, w["A_log"], w["dt_bias"], config)
-    beta = sigmoid(projected(x, "b_proj"))
-    g_out = per_head(projected(projected(x, "g_a_proj"), "g_b_proj"))
-    o, states = recurrence(l2_normalised(q), l2_normalised(k), v, g, beta)
-    o_norm = rounded(gated_rms_norm(rounded(o), g_out, w["o_norm.weight"], config.rms_norm_eps))
+    g_raw = per_head(project(project(x, "f_a_proj"), "f_b_proj"))
     return {
-        "out": projected(o_norm.reshape(tokens, heads * dim), "o_proj"),
-        "recurrent_state": states,
         "q_after_conv": q,
         "k_after_conv": k,
         "v_after_conv": v,
-        "g": g,
+        "g": raw_gate_decay(g_raw, w["A_log"], w["dt_bias"], config),
         "g_raw": g_raw,
-        "beta": beta,
-        "g_out": g_out,
+        "beta": sigmoid(project(x, "b_proj")),
+        "g_out": per_head(project(project(x, "g_a_proj"), "g_b_proj")),
+    }
+
+
+def _kernel_inputs(stages: Mapping[str, np.ndarray]) -> tuple[np.ndarray, ...]:
+    """The recurrence's arguments from `_kernel_stages`: q and k l2-normalised, v, g, beta."""
+    return (
+        l2_normalised(stages["q_after_conv"]),
+        l2_normalised(stages["k_after_conv"]),
+        stages["v_after_conv"],
+        stages["g"],
+        stages["beta"],
+    )
+
+
+def _after_kernel(
+    stages: Mapping[str, np.ndarray],
+    o: np.ndarray,  # [T, H, D] the recurrence's output
+    states: np.ndarray,  # [N, H, D, D] its final states
+    config: KDAConfig,
+    project: _Projections,
+) -> dict[str, np.ndarray]:
+    """Every result of `_layer` from its `stages` and the recurrence's `o` and final `states`."""
+    tokens, heads, dim = o.shape
+    rounded = project.rounded
+    o_norm = rounded(
+        gated_rms_norm(rounded(o), stages["g_out"], project.w["o_norm.weight"], config.rms_norm_eps)
+    )
+    return {
+        "out": project(o_norm.reshape(tokens, heads * dim), "o_proj"),
+        "recurrent_state": states,
+        **stages,
         "o_norm": o_norm,
     }

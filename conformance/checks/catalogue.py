@@ -61,6 +61,7 @@ def case_checks(seq_lens: tuple[int, ...]) -> list[Check]:
     return [
         Check(kinds.LAYER),
         Check(kinds.LAYER_STATE),
+        Check(kinds.LAYER_KERNEL_STATE),
         *(Check(kind) for kind in (*kinds.KERNEL_KINDS, *kinds.RAW_GATE_KERNEL_KINDS)),
         Check(kinds.KERNEL_CHUNK_CHECKPOINTS),
         *(Check(kinds.INTERMEDIATE, name) for name in fmt.INTERMEDIATE_KEYS),

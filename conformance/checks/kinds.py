@@ -37,6 +37,8 @@ KERNEL_TRUTH = "kernel"  # the float64 recurrence on the dumped kernel inputs
 RAW_GATE_KERNEL_TRUTH = "kernel-raw-gate"
 # the float64 recurrence on the dumped kernel inputs, its state entering every chunk of every sequence
 CHECKPOINT_KERNEL_TRUTH = "kernel-checkpoints"
+# the float64 recurrence on the implementation's own kernel inputs: the q, k, v, g, beta its layer exposes
+OWN_INPUTS_TRUTH = "own-kernel-inputs"
 # The chunk size the checkpoint check asks for: fla's default, at which fla and vLLM return their states.
 CHECKPOINT_CHUNK_SIZE = 64
 
@@ -54,8 +56,8 @@ class CheckKind:
               (`{arg}`: the argument's), or for a kernel kind the kernel's `o`, `state` or
               `checkpoints`.
     axes:     the axes of its two sides (an intermediate: the first as many as the reference has).
-    truth:    `LAYER_TRUTH`, `KERNEL_TRUTH`, `RAW_GATE_KERNEL_TRUTH`, `CHECKPOINT_KERNEL_TRUTH`, or
-              None: judged by the absolute gate alone, `no_truth` says why.
+    truth:    `LAYER_TRUTH`, `KERNEL_TRUTH`, `RAW_GATE_KERNEL_TRUTH`, `CHECKPOINT_KERNEL_TRUTH`,
+              `OWN_INPUTS_TRUTH`, or None: judged by the absolute gate alone, `no_truth` says why.
     contract: whether the bf16 precision contract has a model of its result (no rounding point inside
               the kernels).
     kernel:   a kernel kind's path as in the dump's keys (`chunk`, `fused_recurrent`).
@@ -144,6 +146,12 @@ def _kernel(path: str, label: str, which: str, raw_gate: bool = False) -> CheckK
 # the dump's out, and the final state of the layer's kernel path;
 LAYER = CheckKind("layer", "layer", LAYER_CALLS, "out", OUT_AXES)
 LAYER_STATE = CheckKind("layer-state", "layer", LAYER_CALLS, "recurrent_state", STATE_AXES)
+# the layer's final state against the float32 token recurrence on the layer's own kernel inputs (its
+# q/k/v_after_conv, g, beta intermediates): what the layer's kernel path adds to the state, whatever
+# rounding its projections drew;
+LAYER_KERNEL_STATE = dataclasses.replace(
+    LAYER_STATE, pattern="layer-kernel-state", truth=OWN_INPUTS_TRUTH, contract=False
+)
 # the reference kernels' results on the same inputs;
 KERNEL_CHUNK = _kernel("chunk", "chunk", "o")
 KERNEL_CHUNK_STATE = _kernel("chunk", "chunk", "state")
@@ -185,6 +193,11 @@ SERVING_CONV = dataclasses.replace(
     SERVING, pattern="serving-{arg}-conv", result="final_conv_state", axes=CONV_AXES, truth=None,
     no_truth="no float64 truth of the conv state", contract=False,
 )  # fmt: skip
+# the same states of the scenario's checkpoints (requests that only hold a copy of another's states at a
+# boundary: a prefix cache's snapshot), against the prefix they hold run alone; `-state` and `-conv` judge
+# every other request;
+SERVING_CHECKPOINT = dataclasses.replace(SERVING_STATE, pattern="serving-{arg}-checkpoint")
+SERVING_CHECKPOINT_CONV = dataclasses.replace(SERVING_CONV, pattern="serving-{arg}-checkpoint-conv")
 # to the bit: the slots outside each batch before it, and the outputs of the scenario it is `same_as`.
 SERVING_UNTOUCHED = CheckKind(
     "serving-{arg}-untouched", SERVING_GROUP, SERVING_CALLS, "slot states", (), truth=None,
@@ -199,6 +212,7 @@ SERVING_POISONED = dataclasses.replace(
 KINDS = (
     LAYER,
     LAYER_STATE,
+    LAYER_KERNEL_STATE,
     KERNEL_CHUNK,
     KERNEL_CHUNK_STATE,
     KERNEL_RECURRENT,
@@ -218,6 +232,8 @@ KINDS = (
     SERVING,
     SERVING_STATE,
     SERVING_CONV,
+    SERVING_CHECKPOINT,
+    SERVING_CHECKPOINT_CONV,
     SERVING_UNTOUCHED,
     SERVING_IDENTICAL,
     SERVING_POISONED,

@@ -6,12 +6,13 @@ the low-rank second projections reduce over D, less); the output projection over
 over a head's D channels and the chunk's tokens. A stage's budget is that of the widest reduction on its
 path from the layer's input: the states and `o_norm` carry the projections' (hidden), the layer output
 (and its decode, chunked-prefill and serving replays, and the long cases by position) the wider of
-hidden and P. A kernel check runs on the dump's own inputs, so its budget is the kernel's alone.
+hidden and P. A kernel check runs on the dump's own inputs, so its budget is the kernel's alone, and so
+does `layer-kernel-state`, on the layer's own kernel inputs: a chunk kernel's, as the layer's is.
 """
 
 from __future__ import annotations
 
-from conformance.checks.kinds import CheckKind
+from conformance.checks.kinds import OWN_INPUTS_TRUTH, CheckKind
 from conformance.judging.reduction import Reduction
 from kda_spec.config import KDAConfig
 
@@ -24,12 +25,10 @@ def reduction_of(kind: CheckKind, config: KDAConfig) -> Reduction:
     """The widest fp32 reduction behind the result of a check of `kind` under `config` (module
     docstring): a kernel's own, else by the layer result the kind is judged as (`CheckKind.result`)."""
     hidden, proj, dim = config.hidden_size, config.proj_dim, config.head_dim
+    if kind.kernel == "chunk" or kind.truth == OWN_INPUTS_TRUTH:  # a layer's kernel is a chunk kernel
+        length = max(dim, REFERENCE_CHUNK_TOKENS)
+        return Reduction(length, f"the chunk kernel: D={dim} channels, {REFERENCE_CHUNK_TOKENS}-token chunks")
     if kind.kernel is not None:
-        if kind.kernel == "chunk":
-            length = max(dim, REFERENCE_CHUNK_TOKENS)
-            return Reduction(
-                length, f"the chunk kernel: D={dim} channels, {REFERENCE_CHUNK_TOKENS}-token chunks"
-            )
         return Reduction(dim, f"the recurrent kernel: D={dim} channels")
     if kind.result == "out":
         length = max(hidden, proj)

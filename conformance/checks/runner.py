@@ -26,28 +26,30 @@ from conformance.checks.truth import (
     computed_contract_model,
     computed_layer_truth,
     computed_matmul_model,
+    computed_reduction_spread,
     not_computed,
     recurrence_fp64,
     stored_truth,
 )
 from conformance.dumps.reader import CaseData, DumpSet
-from conformance.judging.attribution import attribute
+from conformance.judging.attribution import attribute, error_vs_truth
 from conformance.judging.comparison import Comparison, judge
 from conformance.judging.contract import ContractCheck, contract_check
 from conformance.judging.limits import RelativeLimits, Tolerance
 from conformance.judging.matmul_diagnosis import MATMUL_MODELS, MatmulDiagnosis, diagnose
 from conformance.judging.measurement import Measurement, measure
 from conformance.judging.positions import PositionProfile, judge_by_windows, position_profile
-from conformance.judging.reduction import reduction_limits
+from conformance.judging.reduction import ReductionSpread, reduction_limits, spread_of
 from conformance.judging.verdict import CONTRACT_MODE
 from conformance.policy import TolerancePolicy
 from kda_spec import dump_format as fmt
-from kda_spec.truth import l2_normalised, packed_chunk_start_states, raw_gate_decay
+from kda_spec.truth import l2_normalised, packed_chunk_start_states, packed_delta_rule, raw_gate_decay
 
 KERNEL_TRUTH_SOURCE = "float64 recurrence on the dumped kernel inputs"
 RAW_GATE_KERNEL_TRUTH_SOURCE = (
     "float64 recurrence on the dumped kernel inputs, g the float64 gate of the dumped g_raw, A_log, dt_bias"
 )
+OWN_INPUTS_TRUTH_SOURCE = "float64 recurrence on the layer's own q, k, v, g, beta (its intermediates)"
 CHECKPOINT_KERNEL_TRUTH_SOURCE = (
     f"float64 recurrence on the dumped kernel inputs, its state entering every {kinds.CHECKPOINT_CHUNK_SIZE}-"
     "token chunk"
@@ -156,7 +158,7 @@ class CheckRunner:
             truth_value, source = truth() if truth else self.truth(case, spec, sides)
         except NoTruth as missing:
             return CheckResult(sides, judge(measured, mode, no_truth=str(missing)))
-        limits = self.relative_limits(spec, measured.tolerance, truth_value, sides.axes)
+        limits = self.relative_limits(case, spec, measured.tolerance, truth_value, sides)
         attribution = attribute(
             sides.actual, sides.expected, truth_value, source, measured.tolerance, limits,
             measured.out_of_tolerance,
@@ -176,15 +178,53 @@ class CheckRunner:
         return CheckResult(sides, judge(measured, mode, attribution, contract=contract), truth_value, model)
 
     def relative_limits(
-        self, spec: CheckSpec, tolerance: Tolerance, truth: np.ndarray, axes: tuple[str, ...]
+        self,
+        case: CaseData,
+        spec: CheckSpec,
+        tolerance: Tolerance,
+        truth: np.ndarray,
+        sides: Sides,
+        with_spread: bool = True,
     ) -> RelativeLimits:
         """The relative gate's limits of `spec` (held to `tolerance`), its floors raised to the rounding
-        budget of its widest fp32 reduction on this `truth` (whose axes are `axes`)."""
+        budget of its widest fp32 reduction on this `truth` (the check's rows, as `sides`), and, where
+        `with_spread`, the reductions' spread of a layer result (`reduction_spread`)."""
+        axes = sides.axes
         head_axis = axes.index("head") if "head" in axes else None
-        return reduction_limits(
+        limits = reduction_limits(
             self.policy.relative[spec.dtype], reduction_of(spec.kind, self.dumps.config), truth, tolerance,
             head_axis,
         )  # fmt: skip
+        spread = self.reduction_spread(case, spec, tolerance, truth, sides) if with_spread else None
+        return limits if spread is None else dataclasses.replace(limits, spread=spread)
+
+    def reduction_spread(
+        self, case: CaseData, spec: CheckSpec, tolerance: Tolerance, truth: np.ndarray, sides: Sides
+    ) -> ReductionSpread | None:
+        """The reductions' spread of the check's result at its rows (`computed_reduction_spread`: each
+        draw's move, measured against `truth` under `tolerance`); None where the policy sets no
+        `spread_lambda` for the dtype, for a kernel check (judged on the dump's kernel inputs), and where
+        the spread is not computed (a case over `COMPUTE_MAX_TOKENS` tokens, a result its layer lacks)."""
+        spread_lambda = self.policy.relative[spec.dtype].spread_lambda
+        if not spread_lambda or spec.kind.truth != kinds.LAYER_TRUTH:
+            return None
+        try:
+            draws = self._derived.get(
+                ("reduction-spread", spec.dtype),
+                lambda: computed_reduction_spread(
+                    case, spec.dtype, self.dumps.weights(), self.dumps.config, spread_lambda
+                ),
+            )
+        except NoTruth:
+            return None
+        name = spec.of.result
+        if name not in draws[0]:
+            return None
+        moves = [np.asarray(sides.rows_of(draw[name]), np.float64) for draw in draws]
+        errors = [error_vs_truth(truth + move, truth, tolerance) for move in moves]
+        return spread_of(
+            [e.margin for e in errors], [e.nrmse for e in errors], moves, self.policy.relative[spec.dtype]
+        )
 
     def unusable(self, spec: CheckSpec, sides: Sides, measured: Measurement) -> CheckResult | None:
         """The decided check of a measurement that compared nothing (`Measurement.unusable`), else None."""
@@ -278,7 +318,8 @@ class CheckRunner:
             sides.expected,
             truth,
             measured.tolerance,
-            self.relative_limits(spec, measured.tolerance, truth, sides.axes),
+            # the windows' limits without the spread: it is a whole-result statistic
+            self.relative_limits(case, spec, measured.tolerance, truth, sides, with_spread=False),
             case_id=case.info.case_id,
             dtype=dtype,
             check=spec.check,
@@ -295,6 +336,8 @@ class CheckRunner:
         if kind.truth == kinds.CHECKPOINT_KERNEL_TRUTH:
             value = self.checkpoint_states(case, spec.dtype, np.float64)
             source = CHECKPOINT_KERNEL_TRUTH_SOURCE
+        elif kind.truth == kinds.OWN_INPUTS_TRUTH:
+            value, source = self.own_inputs_state(case, spec.dtype, np.float64), OWN_INPUTS_TRUTH_SOURCE
         elif kind.truth in (kinds.KERNEL_TRUTH, kinds.RAW_GATE_KERNEL_TRUTH):
             raw_gate = kind.truth == kinds.RAW_GATE_KERNEL_TRUTH
             o, state = self.kernel_truth(case, spec.dtype, raw_gate)
@@ -369,6 +412,26 @@ class CheckRunner:
 
         return self._derived.get(("checkpoints", dtype, np.dtype(precision).name), compute)
 
+    def own_inputs_state(self, case: CaseData, dtype: str, precision: type[np.floating]) -> np.ndarray:
+        """The final states [N, H, D, D] of the token recurrence in `precision` on the implementation's own
+        kernel inputs: the q, k, v, g, beta its layer run of the `dtype` run exposes. float64 (q and k
+        l2-normalised in float64) is the truth of `layer-kernel-state`, float32 (l2-normalised in fp32,
+        as a kernel gets them) its reference: a plain fp32 recurrence on the same inputs.
+        `CheckSkipped` when the layer exposes no final state or not all five inputs."""
+        result = self.calls.layer(case, dtype)
+        adapter = self.calls.adapter(dtype).name
+        missing = [name for name in KERNEL_INPUTS if name not in result.intermediates]
+        if result.final_state is None or missing:
+            what = f"its kernel inputs {missing}" if missing else "its final recurrent state"
+            raise CheckSkipped(f"adapter {adapter!r} does not expose {what}")
+        # Not memoised with what the dump alone gives (`_derived`): it is the implementation's, which
+        # `power` changes between runs on one case.
+        q, k, v, g, beta = (np.asarray(result.intermediates[name], precision) for name in KERNEL_INPUTS)
+        normalised = l2_normalised if precision == np.float64 else l2norm
+        init = None if case.initial_state is None else np.asarray(case.initial_state, precision)
+        _, states = packed_delta_rule(normalised(q), normalised(k), v, g, beta, case.cu_seqlens, init)
+        return states
+
     def sides(self, case: CaseData, spec: CheckSpec) -> Sides:
         """The implementation's result and the reference of one check: its kind's function (`_SIDES`)."""
         return _SIDES[spec.kind](self, case, spec)
@@ -416,6 +479,12 @@ def _layer(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
 @_sides_of(kinds.LAYER_STATE)
 def _layer_state(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
     return runner.state_sides(case, spec, runner.calls.layer(case, spec.dtype).final_state)
+
+
+@_sides_of(kinds.LAYER_KERNEL_STATE)
+def _layer_kernel_state(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
+    reference = runner.own_inputs_state(case, spec.dtype, np.float32)
+    return Sides(runner.calls.layer(case, spec.dtype).final_state, reference, spec.kind.axes)
 
 
 @_sides_of(*kinds.KERNEL_KINDS, *kinds.RAW_GATE_KERNEL_KINDS)

@@ -8,6 +8,11 @@ scenario file's stem):
 - `serving-<s>-state`: every request's final recurrent state, the same way;
 - `serving-<s>-conv`: every request's final conv state against its run alone (no float64 truth of
   it: the absolute gate);
+- `serving-<s>-checkpoint`, `serving-<s>-checkpoint-conv` (a scenario with checkpoints): the same two
+  of the scenario's checkpoints (`Scenario.checkpoints`: the requests that only hold a copy of another's
+  states at a boundary), each against the prefix it holds run alone and its float64 truth: a snapshot
+  of a long prefill against the final state of that prefix alone. `-state` and `-conv` judge the
+  other requests;
 - `serving-<s>-untouched`: every slot holding a request outside a batch, before and after that
   forward: equal to the bit;
 - `serving-<s>-identical` (a scenario `same_as` another): its outputs and the other's, equal to the bit;
@@ -56,7 +61,8 @@ class ServingChecks:
 
     def plan(self, dtypes: Sequence[str]) -> list[CheckSpec]:
         """Every serving check, by scenario, then dtype: each serving kind (`kinds.SERVING_KINDS`), the
-        `-identical` one only for a scenario `same_as` another."""
+        `-identical` one only for a scenario `same_as` another, `-poisoned` for one that poisons slots,
+        the `-checkpoint` ones for one with checkpoints."""
         return [
             CheckSpec(self.set_name, dtype, Check(kind, scenario.name))
             for scenario in self.scenarios.values()
@@ -64,6 +70,9 @@ class ServingChecks:
             for kind in kinds.SERVING_KINDS
             if (kind != kinds.SERVING_IDENTICAL or scenario.same_as)
             and (kind != kinds.SERVING_POISONED or scenario.poisons)
+            and (
+                kind not in (kinds.SERVING_CHECKPOINT, kinds.SERVING_CHECKPOINT_CONV) or scenario.checkpoints
+            )
         ]
 
     def run(self, spec: CheckSpec) -> CheckResult:
@@ -75,11 +84,20 @@ class ServingChecks:
             raise CheckSkipped(reason)
         return _RESULTS[spec.kind](self, scenario, spec)
 
-    def requests_alone(self, scenario: Scenario, dtype: str) -> tuple[list[str], list[LayerResult], CaseData]:
-        """The scenario's requests that get a token, each run alone, and the packed case of them all."""
-        names = [name for name, tokens in scenario.request_tokens.items() if tokens]
+    def requests_alone(
+        self, scenario: Scenario, dtype: str, checkpoints: bool | None = None
+    ) -> tuple[list[str], list[LayerResult], CaseData]:
+        """The scenario's requests that get a token (only its checkpoints with `checkpoints` True, only
+        the others with False), each run alone, and the packed case of them all."""
+        names = [
+            name for name, tokens in scenario.request_tokens.items()
+            if tokens and (checkpoints is None or (name in scenario.checkpoints) == checkpoints)
+        ]  # fmt: skip
         if not names:
-            raise CheckSkipped(f"scenario {scenario.name!r} gives no request a token")
+            why = {True: "has no checkpoint", False: "has no request but its checkpoints"}
+            raise CheckSkipped(
+                f"scenario {scenario.name!r} {why.get(checkpoints, 'gives no request a token')}"
+            )
         return names, [self._alone(scenario, name, dtype) for name in names], self._case(scenario, names)
 
     def bit_exact(self, spec: CheckSpec, actual: np.ndarray, expected: np.ndarray, what: str) -> CheckResult:
@@ -141,14 +159,15 @@ class ServingChecks:
         )
 
     def _case(self, scenario: Scenario, names: list[str]) -> CaseData:
-        """The scenario's requests as one packed case of independent sequences from zero states: what
-        the float64 truth (and the bf16 contract's model) of each request alone is computed on."""
-        if scenario.name not in self._cases:
+        """The scenario's requests `names` as one packed case of independent sequences from zero states:
+        what the float64 truth (and the bf16 contract's model) of each request alone is computed on."""
+        case_id = "/".join((self.set_name, scenario.name, *names))
+        if case_id not in self._cases:
             lens = tuple(scenario.request_tokens[name] for name in names)
             x = np.concatenate([self._inputs(scenario, "fp32")[name] for name in names])
-            info = CaseInfo(f"{self.set_name}/{scenario.name}", "", "", lens, False, "chunk", ())
-            self._cases[scenario.name] = CaseData(info, {"hidden_states": x, "cu_seqlens": offsets(lens)})
-        return self._cases[scenario.name]
+            info = CaseInfo(case_id, "", "", lens, False, "chunk", ())
+            self._cases[case_id] = CaseData(info, {"hidden_states": x, "cu_seqlens": offsets(lens)})
+        return self._cases[case_id]
 
 
 def _origin_chain(scenario: Scenario, name: str) -> tuple[tuple[str, int], ...]:
@@ -176,30 +195,35 @@ def _result_of(*of: CheckKind) -> Callable[[ResultFunction], ResultFunction]:
     return register
 
 
+_FINAL_STATE = (
+    lambda run, name: run.recurrent[name][None],
+    lambda alone: alone.final_state,
+    "the adapter's layer_extend returns no final state to compare with",
+)
+_FINAL_CONV = (
+    lambda run, name: run.conv[name][None],
+    lambda alone: alone.intermediates.get("final_conv_state"),
+    "the adapter's layer_extend exposes no final_conv_state to compare with",
+)
 # A kind judged against each request run alone → (what the scenario's run kept of a request, what the
-# request's run alone gave: None where the adapter gives none, the skip's message then).
+# request's run alone gave: None where the adapter gives none, the skip's message then), and which
+# requests (`ServingChecks.requests_alone`'s `checkpoints`).
 _AGAINST_ALONE: dict[
-    CheckKind, tuple[Callable[[ServingRun, str], np.ndarray], Callable[[LayerResult], Any], str]
+    CheckKind, tuple[Callable[[ServingRun, str], np.ndarray], Callable[[LayerResult], Any], str, bool | None]
 ] = {
-    kinds.SERVING: (lambda run, name: run.outputs[name], lambda alone: alone.out, ""),
-    kinds.SERVING_STATE: (
-        lambda run, name: run.recurrent[name][None],
-        lambda alone: alone.final_state,
-        "the adapter's layer_extend returns no final state to compare with",
-    ),
-    kinds.SERVING_CONV: (
-        lambda run, name: run.conv[name][None],
-        lambda alone: alone.intermediates.get("final_conv_state"),
-        "the adapter's layer_extend exposes no final_conv_state to compare with",
-    ),
+    kinds.SERVING: (lambda run, name: run.outputs[name], lambda alone: alone.out, "", None),
+    kinds.SERVING_STATE: (*_FINAL_STATE, False),
+    kinds.SERVING_CONV: (*_FINAL_CONV, False),
+    kinds.SERVING_CHECKPOINT: (*_FINAL_STATE, True),
+    kinds.SERVING_CHECKPOINT_CONV: (*_FINAL_CONV, True),
 }
 
 
 @_result_of(*_AGAINST_ALONE)
 def _against_alone(checks: ServingChecks, scenario: Scenario, spec: CheckSpec) -> CheckResult:
-    served, own, missing = _AGAINST_ALONE[spec.kind]
+    served, own, missing, checkpoints = _AGAINST_ALONE[spec.kind]
     run = checks.run_of(scenario, spec.dtype)
-    names, alone, case = checks.requests_alone(scenario, spec.dtype)
+    names, alone, case = checks.requests_alone(scenario, spec.dtype, checkpoints)
     expected = [own(result) for result in alone]
     if any(value is None for value in expected):
         raise CheckSkipped(missing)

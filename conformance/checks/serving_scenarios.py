@@ -90,6 +90,14 @@ class Scenario:
         return self.book().origin
 
     @property
+    def checkpoints(self) -> tuple[str, ...]:
+        """The requests that only hold a copy of another's states (a prefix cache's snapshot at a
+        boundary): copied into, they process no token of their own. Their final states are the
+        `-checkpoint` checks'; every other request's are `-state`'s and `-conv`'s."""
+        book = self.book()
+        return tuple(name for name, (_, count) in book.origin.items() if book.processed[name] == count)
+
+    @property
     def forwards(self) -> list[Forward | Verify]:
         return [event for event in self.events if isinstance(event, (Forward, Verify))]
 

@@ -15,17 +15,21 @@ kernel under test gets.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from conformance.dumps.reader import CaseData
+from conformance.judging.reduction import FP32_UNIT_ROUNDOFF
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig
 from kda_spec.truth import (
+    ReductionError,
     bf16_contract_rounding,
     layer_output_truth,
     layer_truth,
+    layer_truths,
     mantissa_rounded,
     packed_delta_rule,
     run_hidden_states,
@@ -116,6 +120,46 @@ def computed_matmul_model(
     )
 
 
+# The reductions' spread: this many float64 layers, each with its own random signs; their errors' root
+# mean square is the spread, and their cross products say how many roundings decide a result
+# (`conformance.judging.reduction.spread_of`). 28 pairs of 8 draws tell 1 effective rounding from 10.
+SPREAD_DRAWS = 8
+
+
+def spread_error(spread_lambda: float, rng: np.random.Generator) -> ReductionError:
+    """The reduction error of the spread's model: `spread_lambda · u · sum |a_i b_i|` for each result of a
+    reduction, with a sign drawn from `rng` (u = 2^-24)."""
+
+    def error(magnitude: np.ndarray) -> np.ndarray:
+        sign = rng.choice(np.array([-1.0, 1.0]), size=magnitude.shape)
+        return spread_lambda * FP32_UNIT_ROUNDOFF * magnitude * sign
+
+    return error
+
+
+def computed_reduction_spread(
+    case: CaseData,
+    dtype: str,
+    weights: Mapping[str, np.ndarray],
+    config: KDAConfig,
+    spread_lambda: float,
+    draws: int = SPREAD_DRAWS,
+) -> list[dict[str, np.ndarray]]:
+    """`draws` float64 layers of the `dtype` run of `case`, each with every reduction outside the
+    recurrence moved by its spread (`spread_error`; signs seeded by the case id and the draw): each draw's
+    error against the same layer unmoved, by result name (the output, the final states and the
+    intermediates), in float32 — how far faithful fp32 summation orders carry through the layer
+    (docs/tolerance-policy.md, "The reductions' spread"). The layers run side by side (`layer_truths`).
+    `NoTruth` for a case over `COMPUTE_MAX_TOKENS` tokens."""
+    if case.info.total_tokens > COMPUTE_MAX_TOKENS:
+        raise NoTruth(f"no reductions' spread of a case of over {COMPUTE_MAX_TOKENS} tokens")
+    stream = zlib.crc32(case.info.case_id.encode())
+    moved = [spread_error(spread_lambda, np.random.default_rng([stream, draw])) for draw in range(draws)]
+    base, *layers = layer_truths(*_layer_arguments(case, dtype, weights, config), [None, *moved])
+    names = ("out", "recurrent_state", *fmt.INTERMEDIATE_KEYS)
+    return [{name: (layer[name] - base[name]).astype(np.float32) for name in names} for layer in layers]
+
+
 def _computed_layer(
     case: CaseData,
     dtype: str,
@@ -127,16 +171,24 @@ def _computed_layer(
     for a case of up to `COMPUTE_MAX_TOKENS` tokens; for a longer one (the `long` group) `out` and
     `recurrent_state` only, computed block by block (`layer_output_truth`), as dump_gen computes the long
     cases' stored truth."""
-    args = (
+    args = _layer_arguments(case, dtype, weights, config)
+    if case.info.total_tokens > COMPUTE_MAX_TOKENS:
+        return layer_output_truth(*args, rounded=rounded)
+    return layer_truth(*args, rounded=rounded)
+
+
+def _layer_arguments(
+    case: CaseData, dtype: str, weights: Mapping[str, np.ndarray], config: KDAConfig
+) -> tuple[object, ...]:
+    """The positional arguments of `kda_spec.truth`'s layer on the `dtype` run's inputs of `case`: the
+    weights and hidden states that run saw, the sequences, the initial states, `config`."""
+    return (
         run_weights(weights, dtype, config),
         run_hidden_states(case.hidden_states, dtype),
         case.cu_seqlens,
         case.initial_state,
         config,
     )
-    if case.info.total_tokens > COMPUTE_MAX_TOKENS:
-        return layer_output_truth(*args, rounded=rounded)
-    return layer_truth(*args, rounded=rounded)
 
 
 def not_computed(case: CaseData, name: str, what: str) -> NoTruth:

@@ -37,17 +37,23 @@ def error_vs_truth(x: np.ndarray, truth: np.ndarray, tolerance: Tolerance) -> Tr
 
 def relative_criteria(side: TruthError, other: TruthError, limits: RelativeLimits) -> tuple[Criterion, ...]:
     """The relative gate on `side`: its error against the truth within `factor` × `other`'s plus a floor,
-    in margin and in nRMSE; a floor raised to a reduction's rounding budget says so (`floor_source`)."""
-    reduction, sources = limits.reduction, {}
+    in margin and in nRMSE; a floor raised to a reduction's rounding budget says so (`floor_source`), and
+    so does a reference error raised to the reductions' spread (`reference_source`)."""
+    reduction, spread, sources = limits.reduction, limits.spread, {}
     if reduction is not None:
         raised = {"margin": reduction.margin_floor >= limits.margin_floor,
                   "nRMSE": reduction.nrmse_floor >= limits.nrmse_floor}  # fmt: skip
         sources = {statistic: reduction.source(statistic) for statistic, up in raised.items() if up}
-    return (
-        Criterion("relative", "margin vs truth", side.margin, limits.margin_floor, limits.factor,
-                  other.margin, floor_source=sources.get("margin", "")),
-        Criterion("relative", "nRMSE vs truth", side.nrmse, limits.nrmse_floor, limits.factor,
-                  other.nrmse, floor_source=sources.get("nRMSE", "")),
+    references = {"margin": (other.margin, ""), "nRMSE": (other.nrmse, "")}
+    if spread is not None:
+        for statistic, spread_value in (("margin", spread.margin), ("nRMSE", spread.nrmse)):
+            if spread_value > references[statistic][0]:
+                references[statistic] = (spread_value, spread.source(statistic))
+    return tuple(
+        Criterion("relative", f"{statistic} vs truth", value, floor, limits.factor, references[statistic][0],
+                  floor_source=sources.get(statistic, ""), reference_source=references[statistic][1])
+        for statistic, value, floor in (("margin", side.margin, limits.margin_floor),
+                                        ("nRMSE", side.nrmse, limits.nrmse_floor))
     )  # fmt: skip
 
 

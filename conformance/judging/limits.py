@@ -10,7 +10,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from conformance.judging.reduction import ReductionFloors
+    from conformance.judging.reduction import ReductionFloors, ReductionSpread
 
 TOLERANCE_FIELDS = ("atol", "rtol", "max_nrmse")  # the numbers of a `Tolerance`
 
@@ -55,19 +55,37 @@ class RelativeLimits:
     `factor` × the reference's own error against it, plus a floor: in margin (the check's
     `atol + rtol·|truth|` shape) `impl ≤ factor·ref + margin_floor`, in nRMSE
     `impl ≤ factor·ref + nrmse_floor`. The lambdas raise the floors to the rounding budget of the
-    stage's widest fp32 reduction (`conformance.judging.reduction`); 0 leaves them as they are."""
+    stage's widest fp32 reduction (`conformance.judging.reduction`); 0 leaves them as they are.
+    `spread_lambda` > 0 holds a layer result's reference error to at least the reductions' spread: the
+    error of the float64 layer whose every reduction is moved by `spread_lambda · 2^-24 · sum |a_i b_i|`,
+    raised where few roundings decide the result to the `1 - spread_tail` quantile of a faithful
+    pipeline's error beyond `factor` (`reduction.ReductionSpread`, computed per check into `spread`);
+    0: no spread."""
 
     factor: float
     margin_floor: float
     nrmse_floor: float
     nrmse_lambda: float = 0.0  # the nRMSE floor is at least nrmse_lambda · sqrt(K) · 2^-24
     margin_lambda: float = 0.0  # the margin floor at least margin_lambda · sqrt(K) · 2^-24 in scale units
+    spread_lambda: float = 0.0  # each reduction of the spread's model moved by spread_lambda · 2^-24 · Σ|ab|
+    spread_tail: float = 1e-5  # the one-sided probability a faithful result's error may exceed the spread's
     # The floors' reduction where they were raised to it (`reduction.reduction_limits`), else None.
     reduction: ReductionFloors | None = None
+    # The reductions' spread of the check's result where it was computed (`reduction.spread_of`).
+    spread: ReductionSpread | None = None
 
     def __post_init__(self) -> None:
-        for name in ("factor", "margin_floor", "nrmse_floor", "nrmse_lambda", "margin_lambda"):
+        for name in (
+            "factor",
+            "margin_floor",
+            "nrmse_floor",
+            "nrmse_lambda",
+            "margin_lambda",
+            "spread_lambda",
+        ):
             finite_number(getattr(self, name), name)
+        if not 0 < finite_number(self.spread_tail, "spread_tail") < 0.5:
+            raise ValueError(f"spread_tail must be a probability in (0, 0.5), got {self.spread_tail!r}")
         if self.factor < 1:
             raise ValueError(f"factor must be >= 1 (no worse than the reference), got {self.factor!r}")
         if self.margin_floor == 0 or self.nrmse_floor == 0:
@@ -75,8 +93,11 @@ class RelativeLimits:
 
     def as_dict(self) -> dict[str, Any]:
         record = dataclasses.asdict(self)
-        if self.reduction is None:
-            del record["reduction"]
+        for name in ("reduction", "spread"):
+            if getattr(self, name) is None:
+                del record[name]
+        if self.spread is not None:
+            record["spread"] = self.spread.as_dict()
         return record
 
 

@@ -12,14 +12,28 @@ that produces it (docs/tolerance-policy.md, "The rounding budget of a reduction"
 with `s_e` the RMS of the truth over the element's head (over the whole result where it has no head
 axis): the budget at the tail of the error's distribution, in units of the element's limit. Which K a
 stage has is the check catalogue's (`conformance.checks.reductions`).
+
+That budget is relative to a dot's result, as it is where the terms do not cancel. Where they do, a
+dot's rounding is relative to `sum |a_i b_i|`, not to the result, and where the layer then amplifies it
+(a final state that strong decay leaves as the last token's update, its beta's logit 0.19 from terms of
+sum 631), the reference's own error is one draw of that one dot's rounding: lucky on one machine, not on
+another. So a layer result's reference error is also held to at least the **reductions' spread**
+(docs/tolerance-policy.md, "The reductions' spread"): the float64 layer with every reduction's result
+moved by `spread_lambda · u · sum |a_i b_i|` with a random sign
+(`conformance.checks.truth.computed_reduction_spread`), its error against the truth, the root mean square
+over its draws; where few roundings decide the result (`effective_roundings` of the draws), that root
+mean square is raised to the tail of a chi distribution with as many degrees of freedom
+(`tail_allowance`), beyond what the relative gate's factor already allows (`spread_of`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import numpy as np
+import scipy.stats
 
 from conformance.judging.limits import RelativeLimits, Tolerance
 
@@ -90,3 +104,93 @@ class ReductionFloors:
     def source(self, statistic: str) -> str:
         """Where a floor of `statistic` ("margin" or "nRMSE") comes from, for its criterion's record."""
         return f"rounding budget of a {self.length}-long fp32 reduction ({self.stage}), {statistic}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReductionSpread:
+    """A check's reductions' spread (module docstring): the root mean square over `draws` float64 layers,
+    each with its reductions moved by `spread_lambda · u · sum |a_i b_i|`, of their margin and nRMSE
+    against the truth (`rms_margin`, `rms_nrmse`); `roundings`, how many independent roundings decide the
+    result (`effective_roundings`), and `tail`, the allowance for so few (`tail_allowance`). The relative
+    gate holds the reference's error to at least `margin` and `nrmse`: the root mean squares times `tail`."""
+
+    rms_margin: float
+    rms_nrmse: float
+    draws: int
+    spread_lambda: float
+    roundings: float
+    tail: float
+
+    @property
+    def margin(self) -> float:
+        return self.rms_margin * self.tail
+
+    @property
+    def nrmse(self) -> float:
+        return self.rms_nrmse * self.tail
+
+    def source(self, statistic: str) -> str:
+        """What a criterion's reference is where it is this spread (`statistic`: "margin" or "nRMSE")."""
+        tail = f", x{self.tail:.3g} for {self.roundings:.3g} effective roundings" if self.tail > 1 else ""
+        return (
+            f"the reductions' spread, {statistic} (float64 layer, every reduction moved by "
+            f"{self.spread_lambda:g}·2^-24·Σ|ab|, RMS of {self.draws} draws{tail})"
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        return {**dataclasses.asdict(self), "margin": self.margin, "nrmse": self.nrmse}
+
+
+def effective_roundings(
+    errors: Sequence[np.ndarray],  # one per draw, each [...] the draw's result minus the truth
+) -> float:
+    """How many independent roundings decide a result, from its spread's draws (each every reduction moved
+    by the same size with independent random signs): the participation ratio `tr(C)^2 / tr(C^2)` of the
+    draws' covariance C, estimated as `mean_d |E_d|^2` squared over `mean_{d≠d'} (E_d · E_d')^2`. 1 where
+    one reduction decides (every draw the same vector up to its sign), as many as there are where they
+    weigh alike and are orthogonal; inf where the draws are exactly orthogonal or all zero."""
+    if len(errors) < 2:
+        raise ValueError(f"effective_roundings needs at least 2 draws, got {len(errors)}")
+    e = np.stack([np.asarray(error, np.float64).ravel() for error in errors])
+    gram = e @ e.T
+    pairs = gram[np.triu_indices(len(errors), k=1)]
+    cross = float(np.mean(pairs * pairs))
+    if cross == 0.0:
+        return math.inf
+    return max(1.0, float(np.mean(np.diag(gram))) ** 2 / cross)
+
+
+def tail_allowance(roundings: float, factor: float, tail_probability: float) -> float:
+    """The spread's multiplier for a result of `roundings` effective roundings: a faithful pipeline's error
+    is then its root mean square times chi with `roundings` degrees of freedom over sqrt(`roundings`);
+    the gate allows `factor` times the reference, so the spread is raised by what the `1 -
+    tail_probability` quantile of that ratio needs beyond `factor`: `max(1, q / factor)`. At factor 2 and
+    a tail of 1e-5: 2.21 at 1 rounding, 1.70 at 2, 1.33 at 4, 1.0 from 11 roundings on."""
+    if not 0.0 < tail_probability < 0.5:
+        raise ValueError(f"tail_probability must be in (0, 0.5), got {tail_probability!r}")
+    if math.isinf(roundings):
+        return 1.0
+    quantile = math.sqrt(float(scipy.stats.chi2.isf(tail_probability, roundings)) / roundings)
+    return max(1.0, quantile / factor)
+
+
+def spread_of(
+    margins: Sequence[float],  # each draw's margin against the truth, under the check's tolerance
+    nrmses: Sequence[float],  # each draw's nRMSE against the truth
+    errors: Sequence[np.ndarray],  # each draw's result minus the truth, at the check's rows
+    limits: RelativeLimits,
+) -> ReductionSpread:
+    """The reductions' spread of a check from its draws (module docstring), under `limits`' factor,
+    `spread_lambda` and `spread_tail`."""
+    if not margins or not len(margins) == len(nrmses) == len(errors):
+        raise ValueError(
+            f"a spread needs one margin, nRMSE and error per draw, got {len(margins)}, {len(nrmses)} "
+            f"and {len(errors)}"
+        )
+
+    def rms(values: Sequence[float]) -> float:
+        return float(np.sqrt(np.mean(np.square(values))))
+
+    roundings = effective_roundings(errors)
+    tail = tail_allowance(roundings, limits.factor, limits.spread_tail)
+    return ReductionSpread(rms(margins), rms(nrmses), len(margins), limits.spread_lambda, roundings, tail)

@@ -5,7 +5,9 @@ A **criterion** is one statistic and its bound: `value <= factor · reference + 
 gate: the implementation's error against the float64 truth against the reference's). It applies from
 `min_tokens` tokens of the result on, and not where its `unless` criterion holds (the precision
 contract's exemption of a result closer to the truth than the contract's model); `floor_source` says
-where a floor comes from when it is not the policy's number alone (a reduction's rounding budget).
+where a floor comes from when it is not the policy's number alone (a reduction's rounding budget), and
+`reference_source` what the reference number is when it is not the reference's own error (the
+reductions' spread).
 
 A check records all its criteria, grouped by gate (`absolute`, `relative`, `contract`, and `finite`:
 no NaN or Inf, which decides every check); its gate mode says which gates decide (`MODE_GATES`), and
@@ -56,6 +58,7 @@ class Criterion:
     unless: Criterion | None = None
     detail: str = ""
     floor_source: str = ""  # where the floor comes from, where not the policy's number alone
+    reference_source: str = ""  # what `reference` is, where not the reference's own error (a spread)
 
     def __post_init__(self) -> None:
         if self.gate not in GATES:
@@ -100,7 +103,12 @@ class Criterion:
 
     def statement(self) -> str:
         """`<statistic> <value> > <bound>`, the numbers of a failure."""
-        bound = f"{self.factor:g}×{self.reference:.3g} + {self.floor:g}" if self.factor else f"{self.floor:g}"
+        spread = " (the reductions' spread)" if self.reference_source else ""
+        bound = (
+            f"{self.factor:g}×{self.reference:.3g}{spread} + {self.floor:g}"
+            if self.factor
+            else f"{self.floor:g}"
+        )
         return f"{self.statistic} {self.value:.3g} > {bound}"
 
     def failure(self) -> str:

@@ -123,6 +123,8 @@ def criterion_record(c: Criterion) -> dict[str, Any]:
         record["detail"] = c.detail
     if c.floor_source:
         record["floor_source"] = c.floor_source
+    if c.reference_source:
+        record["reference_source"] = c.reference_source
     if not c.applies:
         record["not_applied"] = c.why_not_applied()
     if c.unless is not None:
@@ -137,7 +139,10 @@ def criterion_from_record(record: Mapping[str, Any], label: str) -> Criterion:
         raise ValueError(f"{label}: a criterion must be an object, found {record!r}")
     numbers = {name: _number(record, name, label) for name in _NUMBER_FIELDS}
     counts = {name: _count(record, name, label) for name in ("tokens", "min_tokens")}
-    texts = {name: record.get(name, "") for name in ("gate", "statistic", "detail", "floor_source")}
+    texts = {
+        name: record.get(name, "")
+        for name in ("gate", "statistic", "detail", "floor_source", "reference_source")
+    }
     for name, text in texts.items():
         if not isinstance(text, str):
             raise ValueError(f"{label}: criterion {name!r} must be a string, found {text!r}")

@@ -67,6 +67,7 @@ CHECKS = tuple(
     for check in (
         Check(kinds.LAYER),
         Check(kinds.LAYER_STATE),
+        Check(kinds.LAYER_KERNEL_STATE),
         *(Check(kind) for kind in (*kinds.KERNEL_KINDS, *kinds.RAW_GATE_KERNEL_KINDS)),
         Check(kinds.KERNEL_CHUNK_CHECKPOINTS),
         *(Check(kinds.INTERMEDIATE, name) for name in fmt.INTERMEDIATE_KEYS),
@@ -215,7 +216,7 @@ class Judge:
                 if perturbed is not None and spec.kind.truth == kinds.LAYER_TRUTH:
                     bases.append(sides.rows_of(perturbed[spec.of.result]))
                 tolerance = self.policy.tolerance(check, case.dtype)
-                limits = runner.relative_limits(spec, tolerance, truth, sides.axes)
+                limits = runner.relative_limits(data, spec, tolerance, truth, sides)
                 checks[check] = judgement(check, sides.actual, bases, truth, self.policy, case.dtype, limits)
         finally:
             fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)

@@ -58,6 +58,7 @@ STAGES = (
     *(("norm", name, name) for name in ("g_out", "o_norm")),
     ("out", "out", "layer"),
     ("state", "layer_state (the layer's final state)", "layer-state"),
+    ("state", "layer_kernel_state (the final state on its own kernel inputs)", "layer-kernel-state"),
     ("chunked prefill", "chunked_out (the case in pieces)", "chunked-prefill"),
     ("chunked prefill", "chunked_state (carried across the pieces)", "chunked-prefill-state"),
 )
@@ -75,6 +76,7 @@ STATE_OF_OUTPUT = {
         "the chunk kernel's checkpoints (its state entering every chunk)",
     ),
     "layer-state": ("layer", "the layer's final state"),
+    "layer-kernel-state": ("layer", "the layer's final state on its own kernel inputs"),
     "chunked-prefill-state": ("chunked-prefill", "chunked prefill's carried state"),
 }
 

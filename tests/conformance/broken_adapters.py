@@ -2,9 +2,10 @@
 
 Each adapter changes one thing of the built-in `KDAImplAdapter` and keeps the rest of its serving
 path: the decay gate's sign, beta's sigmoid computed in bf16, the conv's respect for sequence
-boundaries, the conv state carried into decode, or the output by 1e-4. The beta and conv-state defects
-are `conformance.adapters.defects`' (which `python -m conformance power` injects too). The first
-three swap the layer or backend class the adapter builds its serving path from.
+boundaries, the conv state carried into decode, the output by 1e-4, or the final state by a gain
+(`state_scaled`). The beta and conv-state defects are `conformance.adapters.defects`' (which `python -m
+conformance power` injects too). The first three swap the layer or backend class the adapter builds its
+serving path from.
 
 The `Numpy*` ones break the numpy reference instead (no compilation, for the quick `diff` tests): the
 gate's sign, a decode that goes off from its fourth step (with or without its intermediates), beta
@@ -82,6 +83,20 @@ class OutputOffset(KDAImplAdapter):
     def _offset(result):
         result.out = result.out + np.float32(1e-4)
         return result
+
+
+def state_scaled(gain: float) -> type[KDAImplAdapter]:
+    """kda_impl whose layer returns its final state times `gain` (its carry, and so decode, unchanged): a
+    state off by a relative gain error of `gain - 1`, the defect issue 49 holds the reductions' spread to."""
+
+    class StateScaled(KDAImplAdapter):
+        name = f"broken: final state scaled by {gain:.9g}"
+
+        def layer_extend(self, *args, **kwargs):
+            result = super().layer_extend(*args, **kwargs)
+            return dataclasses.replace(result, final_state=result.final_state * np.float32(gain))
+
+    return StateScaled
 
 
 class NumpyFlippedGate(NumpyAdapter):

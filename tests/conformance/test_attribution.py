@@ -244,10 +244,10 @@ def test_report_json_and_md_carry_the_attribution(truth_dumps: Path, plain_dumps
     assert set(truth["impl"]) == {"margin", "nrmse", "max_abs"} == set(truth["reference"])
     text = markdown(report)
     assert "## Attribution against the float64 truth" in text
-    assert "| conditioning |" in text and "42 conditioning" in text
-    assert "attribution against the float64 truth: 42 conditioning" in terminal_lines(report)
+    assert "| conditioning |" in text and "44 conditioning" in text
+    assert "attribution against the float64 truth: 44 conditioning" in terminal_lines(report)
     plain = markdown(_report(plain_dumps))  # the truth computed here: the same verdicts
-    assert "42 conditioning" in plain and "n/a (" not in plain
+    assert "44 conditioning" in plain and "n/a (" not in plain
 
 
 def test_diff_shows_three_ways_and_where_the_implementation_leaves_the_reference(
@@ -263,8 +263,8 @@ def test_diff_shows_three_ways_and_where_the_implementation_leaves_the_reference
         "the implementation's own error first leaves the reference's at gate/beta (g): margin vs truth" in out
     )
     assert main(["diff", "--dumps", str(truth_dumps), "--case", "T65", "--impl", NUMPY]) == 0
-    assert "stays within the relative bound of the reference's at every stage with a truth (16 of 21)" in (
+    assert "stays within the relative bound of the reference's at every stage with a truth (17 of 22)" in (
         capsys.readouterr().out
     )
     assert main(["diff", "--dumps", str(plain_dumps), "--case", "T65", "--impl", NUMPY]) == 0
-    assert "at every stage with a truth (16 of 21)" in capsys.readouterr().out  # computed here
+    assert "at every stage with a truth (17 of 22)" in capsys.readouterr().out  # computed here

@@ -84,6 +84,7 @@ def test_the_layers_state_off_names_the_layer_and_chunked_prefill(synthetic_dump
     defects = [(row.key, what) for row, what in state_defects(results)]
     assert defects == [
         ("layer_state", "the layer's final state"),
+        ("layer_kernel_state", "the layer's final state on its own kernel inputs"),
         ("chunked_state", "chunked prefill's carried state"),
     ]
     by_key = {row.key: row for row in results}

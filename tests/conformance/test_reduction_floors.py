@@ -34,6 +34,8 @@ REAL = get_preset("kimi-linear-48b-a3b")
         ("serving-mixed-extend", 4096),
         ("serving-mixed-extend-state", 2304),
         ("kernel-chunk", max(128, REFERENCE_CHUNK_TOKENS)),
+        ("layer-kernel-state", max(128, REFERENCE_CHUNK_TOKENS)),
+        ("serving-prefix-hit-checkpoint", 2304),
         ("kernel-recurrent-state", 128),
     ],
 )

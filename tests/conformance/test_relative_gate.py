@@ -68,7 +68,9 @@ def test_the_default_policy_gates_intermediates_and_bf16_relatively_and_fp32_out
         # bf16: relative, and the layer's results also by the precision contract (test_contract.py)
         bf16_mode = "relative" if check.startswith("kernel") else "relative+contract"
         assert policy.mode(check, "bf16") == bf16_mode, check
-    assert policy.relative["fp32"] == RelativeLimits(2.0, 0.5, 2e-7, nrmse_lambda=1.0, margin_lambda=5.0)
+    assert policy.relative["fp32"] == RelativeLimits(
+        2.0, 0.5, 2e-7, nrmse_lambda=1.0, margin_lambda=5.0, spread_lambda=0.5
+    )
     assert policy.relative["bf16"] == RelativeLimits(2.0, 0.5, 1e-4)
     assert policy.gate["fp32"].atol == 1e-5  # the absolute numbers are unchanged
 

@@ -26,7 +26,7 @@ from conformance.checks.serving_events import (
     verify,
 )
 from conformance.checks.serving_invariance import batch_invariance, invariance_scenarios
-from conformance.checks.serving_scenarios import Scenario, load_scenarios
+from conformance.checks.serving_scenarios import Scenario, fixed_scenarios, load_scenarios
 from conformance.dumps.reader import DumpSet
 from conformance.policy import TolerancePolicy
 from tests.conformance.test_serving import GOLDEN, _search
@@ -78,12 +78,14 @@ def test_kda_impl_provides_every_verb_and_passes_each_short_scenario():
     found = results(KDAImplAdapter, ["copy", "verify", "handoff", "poison"])
     assert set(found.values()) == {"passed"}, found
     assert "serving-short-poison-poisoned" in found
+    # the copy scenario's snapshot holds a copy and processes nothing: its checkpoint, judged on its own
+    assert {"serving-short-copy-checkpoint", "serving-short-copy-checkpoint-conv"} <= set(found)
 
 
 @pytest.mark.parametrize(
     ("defect", "scenario", "caught_by"),
     [
-        (serving_defects.SnapshotAfterPartialChunk, "copy", "serving-short-copy-state"),
+        (serving_defects.SnapshotAfterPartialChunk, "copy", "serving-short-copy-checkpoint"),
         (serving_defects.AcceptForgetsConvShift, "verify", "serving-short-verify-conv"),
         (serving_defects.HandoffRepeatsLastToken, "handoff", "serving-short-handoff-state"),
         (serving_defects.PaddingWrapsToLastSlot, "poison", "serving-short-poison-poisoned"),
@@ -155,3 +157,15 @@ def test_a_short_search_of_the_verbs_finds_each_seeded_defect_and_writes_a_repla
     (found,) = load_scenarios(tmp_path / "scenarios.json")
     assert any(isinstance(event, event_type) for event in found.events), found
     assert "--scenarios" in report["found"]["replay"]
+
+
+def test_the_prefix_hit_snapshots_are_its_checkpoints_with_two_checks_per_dtype():
+    prefix_hit = next(scenario for scenario in fixed_scenarios() if scenario.name == "prefix-hit")
+    assert prefix_hit.checkpoints == ("s64", "s128")  # the hits q and r copy and go on: not checkpoints
+    runner = CheckRunner(DumpSet(str(GOLDEN)), KDAImplAdapter, "auto", TolerancePolicy.load())
+    named = [spec.id for spec in ServingChecks(runner, [prefix_hit], "fixed").plan(["fp32", "bf16"])]
+    assert [name for name in named if "checkpoint" in name] == [
+        f"fixed-{dtype}-serving-prefix-hit-{kind}"
+        for dtype in ("fp32", "bf16")
+        for kind in ("checkpoint", "checkpoint-conv")
+    ]
