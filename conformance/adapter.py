@@ -1,6 +1,6 @@
 """The adapter: how the suite drives an implementation under test (docs/adapters.md has a skeleton).
 
-An adapter is a subclass of `KDAAdapter` that declares one or more of five protocols, as bases, and
+An adapter is a subclass of `KDAAdapter` that declares one or more of six protocols, as bases, and
 defines every method of each protocol it declares:
 
 - `LayerAdapter`: `layer_extend`, `layer_decode` — the checks `layer`, `layer-state`, the intermediates,
@@ -10,6 +10,8 @@ defines every method of each protocol it declares:
   `kernel-*-rawgate[-state]` checks: the kernels computing the gate from its pre-activation input;
 - `CheckpointKernelAdapter` (optional): `chunk_kernel_checkpoints` — the `kernel-chunk-checkpoints`
   check: the chunked kernel's state entering every chunk (fla's `return_intermediate_states`);
+- `GradientAdapter` (optional): `chunk_kernel_vjp` — the `kernel-chunk-grad-*` checks and
+  `kernel-chunk-grad-causal`: the chunked kernel's vector-Jacobian product, training's backward;
 - `ServingAdapter`: `serving_open`, `serving_alloc`, `serving_free`, `serving_forward`, `serving_state`
   — the `serving-*` checks (those that compare a request with its run alone need the layer too) —
   and its optional verbs `serving_copy`, `serving_load`, `serving_accept` (with a forward of mode
@@ -92,6 +94,7 @@ from kda_spec.config import KDAConfig
 from kda_spec.dump_format import DTYPES
 from kda_spec.extras import missing_extra
 from kda_spec.families import FAMILIES, KIMI_LINEAR
+from kda_spec.truth import GRADIENT_NAMES
 
 
 @dataclasses.dataclass
@@ -311,6 +314,39 @@ class CheckpointKernelAdapter(KDAAdapter, abc.ABC):
         """
 
 
+# The gradients `GradientAdapter.chunk_kernel_vjp` returns, by name: those of the chunked kernel's inputs
+# q, k, v, g, beta and initial_state (fla's names), as the float64 truth's (kda_spec.truth) names them.
+KERNEL_GRADIENTS = GRADIENT_NAMES
+
+
+class GradientAdapter(KDAAdapter, abc.ABC):
+    """The gradient protocol: the chunked kernel's backward, as training calls it (fla's `chunk_kda`
+    under autograd, a JAX kernel's `jax.vjp` or `custom_vjp`)."""
+
+    @abc.abstractmethod
+    def chunk_kernel_vjp(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        g: np.ndarray,
+        beta: np.ndarray,
+        cu_seqlens: np.ndarray,
+        initial_state: np.ndarray | None,
+        do: np.ndarray,
+        dht: np.ndarray,
+    ) -> dict[str, np.ndarray]:
+        """The chunked kernel's vector-Jacobian product on a packed batch: the gradients of
+        `sum(o * do) + sum(final_state * dht)` with respect to its inputs.
+
+        q, k, v, g, beta, cu_seqlens, initial_state as for `KernelAdapter.chunk_kernel` (q and k as the
+        kernel gets them, already l2-normalised: their gradients are the kernel's, not the norm's);
+        do [T, H, V] and dht [N, H, K, V] float32: the cotangents of the output and of the final states.
+        Returns every name of `KERNEL_GRADIENTS`, float32: dq, dk [T, H, K], dv [T, H, V], dg [T, H, K],
+        dbeta [T, H], dh0 [N, H, K, V] (of the initial states, zeros when there were none).
+        """
+
+
 class ServingAdapter(KDAAdapter, abc.ABC):
     """The serving protocol (docs/serving.md): the implementation's own state pool, driven as a
     scheduler drives it."""
@@ -384,7 +420,8 @@ def _optional_verb(adapter: KDAAdapter, call: str) -> str:
 
 #: The protocols, in the order reasons name them; a protocol `FooBarAdapter` is named "foo-bar".
 PROTOCOLS: tuple[type[KDAAdapter], ...] = (
-    LayerAdapter, KernelAdapter, RawGateKernelAdapter, CheckpointKernelAdapter, ServingAdapter,
+    LayerAdapter, KernelAdapter, RawGateKernelAdapter, CheckpointKernelAdapter, GradientAdapter,
+    ServingAdapter,
 )  # fmt: skip
 
 

@@ -192,6 +192,101 @@ def packed_delta_rule(
     return o, np.stack(states)
 
 
+# The gradients `delta_rule_vjp` returns, by name: of q, k, v, g, beta and the initial state (fla's names).
+GRADIENT_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+# `delta_rule_vjp` keeps the state every this many tokens and recomputes the states in between.
+VJP_BLOCK_TOKENS = 64
+
+
+def delta_rule_vjp(
+    q: np.ndarray,  # [T, H, D_k] l2-normalised
+    k: np.ndarray,  # [T, H, D_k] l2-normalised
+    v: np.ndarray,  # [T, H, D_v]
+    g: np.ndarray,  # [T, H, D_k]
+    beta: np.ndarray,  # [T, H]
+    state: np.ndarray,  # [H, D_k, D_v] the initial state
+    do: np.ndarray,  # [T, H, D_v] the output's cotangent
+    dstate: np.ndarray,  # [H, D_k, D_v] the final state's cotangent
+) -> dict[str, np.ndarray]:
+    """The gradients of `sum(o * do) + sum(final_state * dstate)` for `delta_rule` on one sequence, by
+    `GRADIENT_NAMES` (`dh0` the initial state's), in q's dtype: reverse mode by hand, each token's update
+    differentiated as `delta_rule` writes it. Per token, with P = exp(g_t) ⊙ S, u = v_t - Pᵀk_t,
+    S' = P + β_t k_t uᵀ and o_t = scale · S'ᵀq_t, from dS' (the later tokens' gradient of S'):
+
+        dS' += scale · q_t do_tᵀ     dq_t = scale · S' do_t      dw = dS'ᵀk_t (w = β_t u)
+        dβ_t = dw · u                du = β_t dw                 dv_t = du
+        dk_t = β_t dS' u - P du      dP = dS' - k_t duᵀ          dg_t = Σ_v dP ⊙ P
+        dS = exp(g_t) ⊙ dP           (the gradient of the state before the token)
+
+    The states come from a forward pass that keeps one every `VJP_BLOCK_TOKENS` tokens; the backward
+    recomputes a block's states from its first: memory of T / 64 + 64 states, not T."""
+    scale = 1 / np.sqrt(np.asarray(q.shape[-1], dtype=q.dtype))
+    decay = np.exp(g)[..., None]
+    tokens, block = q.shape[0], VJP_BLOCK_TOKENS
+    starts = []  # the state entering each block
+    state = np.array(state, dtype=q.dtype)
+    for t in range(tokens):
+        if t % block == 0:
+            starts.append(state.copy())
+        state = state * decay[t]
+        state += k[t][:, :, None] * (beta[t][:, None] * (v[t] - (k[t][:, None, :] @ state)[:, 0]))[:, None, :]
+    grads = {name: np.zeros_like(x) for name, x in zip(GRADIENT_NAMES[:5], (q, k, v, g, beta))}
+    d_state = np.array(dstate, dtype=q.dtype)
+    for first in reversed(range(0, tokens, block)):
+        decayed, updates, states = [], [], []  # per token of the block: P, u, S'
+        state = starts[first // block]
+        for t in range(first, min(first + block, tokens)):
+            p = state * decay[t]
+            u = v[t] - (k[t][:, None, :] @ p)[:, 0]
+            state = p + k[t][:, :, None] * (beta[t][:, None] * u)[:, None, :]
+            decayed.append(p)
+            updates.append(u)
+            states.append(state)
+        for i in reversed(range(len(states))):
+            t = first + i
+            p, u, after = decayed[i], updates[i], states[i]
+            d_state = d_state + scale * q[t][:, :, None] * do[t][:, None, :]
+            grads["dq"][t] = scale * (after @ do[t][:, :, None])[..., 0]
+            dw = (k[t][:, None, :] @ d_state)[:, 0]
+            grads["dbeta"][t] = np.sum(dw * u, axis=-1)
+            du = beta[t][:, None] * dw
+            grads["dv"][t] = du
+            grads["dk"][t] = (
+                beta[t][:, None] * (d_state @ u[:, :, None])[..., 0] - (p @ du[:, :, None])[..., 0]
+            )
+            dp = d_state - k[t][:, :, None] * du[:, None, :]
+            grads["dg"][t] = np.sum(dp * p, axis=-1)
+            d_state = decay[t] * dp
+    return {**grads, "dh0": d_state}
+
+
+def packed_delta_rule_vjp(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    g: np.ndarray,
+    beta: np.ndarray,
+    cu_seqlens: np.ndarray,
+    initial_state: np.ndarray | None,
+    do: np.ndarray,  # [T, H, D_v]
+    dht: np.ndarray,  # [N, H, D_k, D_v]
+) -> dict[str, np.ndarray]:
+    """`delta_rule_vjp` on a packed batch (arguments as `packed_delta_rule`; `do`, `dht` the cotangents
+    of the output and the final states): the gradients by `GRADIENT_NAMES`, `dh0` [N, H, D_k, D_v]."""
+    grads = {name: np.zeros_like(x) for name, x in zip(GRADIENT_NAMES[:5], (q, k, v, g, beta))}
+    initial_grads = []
+    for index, (start, end) in enumerate(itertools.pairwise(np.asarray(cu_seqlens).tolist())):
+        rows = slice(start, end)
+        state = _sequence_initial_state(initial_state, index, q, v)
+        one = delta_rule_vjp(
+            q[rows], k[rows], v[rows], g[rows], beta[rows], state, do[rows], np.asarray(dht[index], q.dtype)
+        )
+        for name in GRADIENT_NAMES[:5]:
+            grads[name][rows] = one[name]
+        initial_grads.append(one["dh0"])
+    return {**grads, "dh0": np.stack(initial_grads)}
+
+
 def chunk_starts(seq_lens: tuple[int, ...] | list[int], chunk_size: int) -> list[tuple[int, int]]:
     """The chunks of a packed batch as fla's `chunk_kda(..., return_intermediate_states=True)` orders
     its states `h` with `cu_seqlens`: for each sequence in order, ceil(T_i / chunk_size) chunks; each

@@ -28,7 +28,14 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from conformance.adapter import KDAAdapter, LayerResult, own_traceback, provided_calls, unprovided
+from conformance.adapter import (
+    KERNEL_GRADIENTS,
+    KDAAdapter,
+    LayerResult,
+    own_traceback,
+    provided_calls,
+    unprovided,
+)
 from conformance.exit_codes import ExitCode
 from kda_spec import dump_format as fmt
 
@@ -246,6 +253,21 @@ def checked_checkpoints(value: Any, call: str, shapes: CallShapes) -> np.ndarray
     """A checkpoint call's states [NT, H, K, V] (`shapes.num_seqs` is NT, the chunks), checked
     (`checked_array`)."""
     return checked_array(value, call, "checkpoints", shapes.of("recurrent_state"))
+
+
+def checked_gradients(value: Any, call: str, shapes: CallShapes) -> dict[str, np.ndarray]:
+    """A vjp call's gradients by `KERNEL_GRADIENTS` name, each checked (`checked_array`): dq, dk, dv, dg
+    [T, H, D], dbeta [T, H], dh0 [N, H, K, V]."""
+    if not isinstance(value, Mapping) or set(value) != set(KERNEL_GRADIENTS):
+        given = sorted(value) if isinstance(value, Mapping) else type(value).__name__
+        raise ImplementationFault(
+            "contract", call, f"must return a dict of the gradients {list(KERNEL_GRADIENTS)}, got {given}"
+        )
+    rule = {"dbeta": "beta", "dh0": "recurrent_state"}
+    return {
+        name: checked_array(value[name], call, name, shapes.of(rule.get(name, "o_kda_chunk")))
+        for name in KERNEL_GRADIENTS
+    }
 
 
 # ---------------------------------------------------------------------------------------------- time

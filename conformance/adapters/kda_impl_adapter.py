@@ -23,7 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from conformance.adapter import (
+    KERNEL_GRADIENTS,
     CheckpointKernelAdapter,
+    GradientAdapter,
     KernelAdapter,
     LayerAdapter,
     LayerResult,
@@ -65,7 +67,12 @@ class KDACarry:
 
 
 class KDAImplAdapter(
-    LayerAdapter, KernelAdapter, RawGateKernelAdapter, CheckpointKernelAdapter, ServingAdapter
+    LayerAdapter,
+    KernelAdapter,
+    RawGateKernelAdapter,
+    CheckpointKernelAdapter,
+    GradientAdapter,
+    ServingAdapter,
 ):
     """kda_impl under test; `kernel` is 'auto' (the dispatcher's choice), 'naive' or 'pallas'; the options
     `tp` and `dp` size the mesh."""
@@ -324,6 +331,27 @@ class KDAImplAdapter(
         index = {start: row for row, start in enumerate(chunk_starts(lens, own))}
         return _to_numpy(np.asarray(h)[0, [index[start] for start in chunk_starts(lens, chunk_size)]])
 
+    def chunk_kernel_vjp(self, q, k, v, g, beta, cu_seqlens, initial_state, do, dht):
+        """The plain-JAX chunk kernel's gradients by JAX's autodiff (`jitted_kernel_vjp`), on the call
+        padded as `_kernel_call` pads it, the cotangents of the padding zeros. kda_impl's Pallas kernels
+        have no backward: with `--kernel pallas` this raises NotImplementedError (the checks skip)."""
+        if self._kernel == "pallas":
+            raise NotImplementedError(
+                "kda_impl's Pallas kernels have no backward; its plain-JAX chunk kernel has"
+            )
+        tokens, num_seqs = q.shape[0], len(cu_seqlens) - 1
+        padded_tokens, padded_seqs = token_bucket(tokens), bucket(num_seqs + 1, MIN_REQUEST_BUCKET)
+        do = _padded(np.asarray(do, np.float32), padded_tokens)[None]
+        dht = _padded(np.asarray(dht, np.float32), padded_seqs)
+        grads = self._on_buckets(
+            jitted_kernel_vjp(), q, k, v, g, beta, cu_seqlens, initial_state, do=do, dht=dht
+        )
+        per_token = {name: np.asarray(grad)[0, :tokens] for name, grad in zip(KERNEL_GRADIENTS[:5], grads)}
+        return {
+            name: _to_numpy(grad)
+            for name, grad in {**per_token, "dh0": np.asarray(grads[5])[:num_seqs]}.items()
+        }
+
     def _kernel_call(
         self,
         kernel: Callable[..., tuple[jax.Array, ...]],  # (o, final state[, h])
@@ -356,6 +384,7 @@ class KDAImplAdapter(
         cu_seqlens: np.ndarray,  # i32[N+1]
         initial_state: np.ndarray | None,  # [N, H, D, D] fp32
         gate: Mapping[str, np.ndarray] | None = None,  # the raw gate's A_log [H] and dt_bias [H·D], fp32
+        **more: np.ndarray,  # keywords `kernel` takes beside them, already padded (a vjp's cotangents)
     ) -> tuple[jax.Array, ...]:
         """`kernel`'s results on the call padded to the buckets (`_kernel_call`'s inputs): its real
         tokens and sequences first, then the padding's."""
@@ -379,7 +408,9 @@ class KDAImplAdapter(
         cu = np.full(padded_seqs + 1, padded_tokens, np.int32)
         cu[: num_seqs + 1] = cu_seqlens
         parameters = {name: np.asarray(value, np.float32) for name, value in (gate or {}).items()}
-        return kernel(q, k, v, g, beta, initial_state=_padded(init, padded_seqs), cu_seqlens=cu, **parameters)
+        return kernel(
+            q, k, v, g, beta, initial_state=_padded(init, padded_seqs), cu_seqlens=cu, **parameters, **more
+        )
 
 
 @functools.cache
@@ -405,6 +436,26 @@ def jitted_kernel(
     if raw_gate:
         options.update(use_gate_in_kernel=True, lower_bound=lower_bound)
     return jax.jit(functools.partial(function, **options))
+
+
+@functools.cache
+def jitted_kernel_vjp() -> Callable[..., Any]:
+    """kda_impl's plain-JAX chunk kernel's vector-Jacobian product, jitted: `(q, k, v, g, beta [1, T, ...],
+    initial_state [N, H, K, V], cu_seqlens, do [1, T, H, V], dht [N, H, K, V])` → the gradients of q, k, v,
+    g, beta and the initial state (`KERNEL_GRADIENTS`' order), by JAX's autodiff of the kernel (its
+    `lax.scan` over chunks). One per process, shared by the fp32 and the bf16 run."""
+
+    def vjp(q, k, v, g, beta, *, initial_state, cu_seqlens, do, dht):
+        def kernel(q, k, v, g, beta, initial_state):
+            return chunk_kda(
+                q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                cu_seqlens=cu_seqlens, kernel="naive",
+            )  # fmt: skip
+
+        _, pullback = jax.vjp(kernel, q, k, v, g, beta, initial_state)
+        return pullback((do, dht))
+
+    return jax.jit(vjp)
 
 
 def default_chunk_size(kernel: str | None) -> int:

@@ -23,6 +23,7 @@ from conformance.adapters.guard import (
     ImplementationFault,
     build_adapter,
     checked_checkpoints,
+    checked_gradients,
     checked_kernel_result,
     checked_layer_result,
     read_only_weights,
@@ -54,7 +55,7 @@ def _dumped_stages(case: CaseData, dtype: str, names: Sequence[str], absent: str
     return {name: case.result(name, dtype) for name in names}
 
 
-def _kernel_arguments(case: CaseData, stages: Mapping[str, np.ndarray]) -> dict[str, Any]:
+def kernel_arguments(case: CaseData, stages: Mapping[str, np.ndarray]) -> dict[str, Any]:
     """A kernel call's arguments, in the kernel protocol's order, from the conv outputs, g and beta in
     `stages` (`KERNEL_INPUTS`): q and k l2-normalised, as the kernels get them; the case's packing and
     initial states."""
@@ -171,19 +172,30 @@ class ImplementationCalls:
             lambda: self.extend(dtype, self.inputs(case, dtype), case.cu_seqlens, case.initial_state),
         )
 
+    @staticmethod
+    def dumped_kernel_inputs(case: CaseData, dtype: str) -> dict[str, np.ndarray]:
+        """The dumped q, k, v (conv outputs), g and beta of the `dtype` run; `CheckSkipped` when absent."""
+        return _dumped_stages(case, dtype, KERNEL_INPUTS, "the kernel inputs are not in it")
+
     def kernel_on_dump(self, case: CaseData, dtype: str, path: str) -> tuple[np.ndarray, np.ndarray]:
         """The chunk or recurrent kernel on the dumped q, k, v, g, beta of this run."""
-        stages = _dumped_stages(case, dtype, KERNEL_INPUTS, "the kernel inputs are not in it")
+        stages = self.dumped_kernel_inputs(case, dtype)
         return self._results.get(("kernel", dtype, path), lambda: self.run_kernel(case, dtype, path, stages))
 
     def run_kernel(
         self, case: CaseData, dtype: str, path: str, stages: dict[str, np.ndarray]
     ) -> tuple[np.ndarray, np.ndarray]:
         """The `path` kernel ("chunk" or "fused_recurrent") on the conv outputs, g and beta in `stages`."""
+        return self.kernel_on(case, dtype, path, kernel_arguments(case, stages))
+
+    def kernel_on(
+        self, case: CaseData, dtype: str, path: str, arguments: Mapping[str, Any]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The `path` kernel ("chunk" or "fused_recurrent") on a call's `arguments` (`kernel_arguments`)
+        of `case`'s packing."""
         method = "chunk_kernel" if path == "chunk" else "recurrent_kernel"
-        arguments = _kernel_arguments(case, stages)
         shapes = self._shapes(len(arguments["q"]), len(case.cu_seqlens) - 1)
-        return self._call(dtype, method, arguments, checked_kernel_result, shapes)
+        return self._call(dtype, method, dict(arguments), checked_kernel_result, shapes)
 
     def checkpoints_on_dump(self, case: CaseData, dtype: str) -> np.ndarray:
         """The chunk kernel's state entering every `CHECKPOINT_CHUNK_SIZE`-token chunk of each sequence
@@ -193,10 +205,35 @@ class ImplementationCalls:
 
     def run_checkpoints(self, case: CaseData, dtype: str, stages: dict[str, np.ndarray]) -> np.ndarray:
         """`chunk_kernel_checkpoints` on the conv outputs, g and beta in `stages`."""
-        arguments = {**_kernel_arguments(case, stages), "chunk_size": CHECKPOINT_CHUNK_SIZE}
+        arguments = {**kernel_arguments(case, stages), "chunk_size": CHECKPOINT_CHUNK_SIZE}
         chunks = chunk_starts(np.diff(case.cu_seqlens).tolist(), CHECKPOINT_CHUNK_SIZE)
         shapes = self._shapes(len(arguments["q"]), len(chunks))
         return self._call(dtype, "chunk_kernel_checkpoints", arguments, checked_checkpoints, shapes)
+
+    def kernel_vjp_on_dump(
+        self, case: CaseData, dtype: str, cotangents: tuple[np.ndarray, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """The chunk kernel's gradients (`chunk_kernel_vjp`, by `KERNEL_GRADIENTS` name) on the dumped q,
+        k, v, g, beta of this run, for the `cotangents` (do, dht) of its output and final states."""
+        stages = self.dumped_kernel_inputs(case, dtype)
+        arguments = kernel_arguments(case, stages)
+        return self._results.get(
+            ("kernel vjp", dtype), lambda: self.run_kernel_vjp(case, dtype, arguments, cotangents)
+        )
+
+    def run_kernel_vjp(
+        self,
+        case: CaseData,
+        dtype: str,
+        arguments: Mapping[str, Any],  # a chunk kernel call's (`kernel_arguments`)
+        cotangents: tuple[np.ndarray, np.ndarray],  # do [T, H, D], dht [N, H, D, D]
+    ) -> dict[str, np.ndarray]:
+        """`chunk_kernel_vjp` on the kernel call's `arguments` and the `cotangents`."""
+        do, dht = cotangents
+        shapes = self._shapes(len(arguments["q"]), len(case.cu_seqlens) - 1)
+        return self._call(
+            dtype, "chunk_kernel_vjp", {**arguments, "do": do, "dht": dht}, checked_gradients, shapes
+        )
 
     def raw_gate_kernel_on_dump(self, case: CaseData, dtype: str, path: str) -> tuple[np.ndarray, np.ndarray]:
         """The chunk or recurrent kernel's raw-gate form on the dumped q, k, v, raw gate and beta of this

@@ -27,6 +27,7 @@ CHECKPOINT_AXES = ("chunk", "head", "key", "value")  # fla's h: every sequence's
 
 # What the adapter methods a kind calls are (`CheckKind.needs`).
 LAYER_CALLS = ("layer_extend",)
+GRADIENT_CALLS = ("chunk_kernel_vjp",)
 DECODE_CALLS = ("layer_extend", "layer_decode")
 SERVING_CALLS = ("serving_open", "serving_alloc", "serving_free", "serving_forward", "serving_state")
 
@@ -39,10 +40,16 @@ RAW_GATE_KERNEL_TRUTH = "kernel-raw-gate"
 CHECKPOINT_KERNEL_TRUTH = "kernel-checkpoints"
 # the float64 recurrence on the implementation's own kernel inputs: the q, k, v, g, beta its layer exposes
 OWN_INPUTS_TRUTH = "own-kernel-inputs"
+# the float64 recurrence's vector-Jacobian product on the dumped kernel inputs (checks/gradient_truth.py)
+GRADIENT_TRUTH = "kernel-gradients"
 # The chunk size the checkpoint check asks for: fla's default, at which fla and vLLM return their states.
 CHECKPOINT_CHUNK_SIZE = 64
 
 SERVING_GROUP = "serving"
+TRAINING_GROUP = "training"  # what training needs: the gradients, causality
+# The chunk kernel's per-token inputs whose gradients the `kernel-chunk-grad-{arg}` checks judge (the
+# argument names the input; the gradient is `d<input>`, as `adapter.KERNEL_GRADIENTS` names it).
+GRADIENT_INPUTS = ("q", "k", "v", "g", "beta")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +99,9 @@ class CheckKind:
         return self.pattern.replace("{arg}", arg) if arg is not None else self.pattern
 
     def result_of(self, arg: str | None) -> str:
-        """The layer result a check of this kind is judged as (its stored truth's name)."""
-        return arg if self.result == "{arg}" and arg is not None else self.result
+        """The layer result a check of this kind is judged as (its stored truth's name), or the kernel
+        result (`d{arg}`: the gradient of the input the argument names)."""
+        return self.result.replace("{arg}", arg) if arg is not None else self.result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +176,30 @@ KERNEL_CHUNK_CHECKPOINTS = CheckKind(
     "kernel-chunk-checkpoints", "kernel", ("chunk_kernel_checkpoints",), "checkpoints", CHECKPOINT_AXES,
     truth=CHECKPOINT_KERNEL_TRUTH, contract=False, kernel="chunk",
 )  # fmt: skip
+# the chunk kernel's vector-Jacobian product on the dumped kernel inputs (`GradientAdapter`), the gradient
+# of the input the argument names, and of the initial states (`-h0`), against the float32 token
+# recurrence's (the dump holds no reference gradients);
+KERNEL_CHUNK_GRAD = CheckKind(
+    "kernel-chunk-grad-{arg}", TRAINING_GROUP, GRADIENT_CALLS, "d{arg}", HEAD_AXES, truth=GRADIENT_TRUTH,
+    contract=False, kernel="chunk",
+)  # fmt: skip
+KERNEL_CHUNK_GRAD_H0 = dataclasses.replace(
+    KERNEL_CHUNK_GRAD, pattern="kernel-chunk-grad-h0", result="dh0", axes=STATE_AXES
+)
+# causality (checks/causality.py): the chunk kernel's outputs before a position P, and (`-grad-`) its
+# gradients with every cotangent from P on zero, against the same before the inputs from P on changed:
+# equal to the bit (and the gradients from P on zero);
+KERNEL_CHUNK_CAUSAL = CheckKind(
+    "kernel-chunk-causal", TRAINING_GROUP, ("chunk_kernel",), "o before P", (), truth=None,
+    no_truth="bit-exact: no float64 truth applies", contract=False,
+)  # fmt: skip
+KERNEL_CHUNK_GRAD_CAUSAL = dataclasses.replace(
+    KERNEL_CHUNK_CAUSAL, pattern="kernel-chunk-grad-causal", needs=GRADIENT_CALLS, result="gradients before P"
+)
+# and the layer's output before P, after every hidden state from P on changed;
+LAYER_CAUSAL = dataclasses.replace(
+    KERNEL_CHUNK_CAUSAL, pattern="layer-causal", needs=LAYER_CALLS, result="out before P", kernel=None
+)
 # the dump's intermediate of the argument's name;
 INTERMEDIATE = CheckKind("{arg}", "intermediate", LAYER_CALLS, "{arg}", HEAD_AXES)
 # the prefill of the rest, then one token a step: the dump's out at the decoded tokens, and (-self) the
@@ -222,6 +254,11 @@ KINDS = (
     KERNEL_RECURRENT_RAW_GATE,
     KERNEL_RECURRENT_RAW_GATE_STATE,
     KERNEL_CHUNK_CHECKPOINTS,
+    KERNEL_CHUNK_GRAD,
+    KERNEL_CHUNK_GRAD_H0,
+    KERNEL_CHUNK_CAUSAL,
+    KERNEL_CHUNK_GRAD_CAUSAL,
+    LAYER_CAUSAL,
     INTERMEDIATE,
     DECODE,
     DECODE_SELF,
@@ -254,6 +291,8 @@ GROUPS = tuple(dict.fromkeys(kind.group for kind in KINDS))
 def _regex(kind: CheckKind) -> re.Pattern[str]:
     """The names of `kind`: its pattern with `{arg}` matching the argument its kind allows."""
     arg = "|".join(map(re.escape, fmt.INTERMEDIATE_KEYS)) if kind is INTERMEDIATE else r"k\d+|all"
+    if kind is KERNEL_CHUNK_GRAD:
+        arg = "|".join(GRADIENT_INPUTS)
     if kind.group == SERVING_GROUP:
         arg = r"\S+?"
     return re.compile(re.escape(kind.pattern).replace(re.escape("{arg}"), f"(?P<arg>{arg})"))

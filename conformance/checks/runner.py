@@ -12,8 +12,22 @@ import numpy as np
 from conformance.adapter import KDAAdapter
 from conformance.adapters.guard import CallWatchdog
 from conformance.checks import kinds
-from conformance.checks.calls import ImplementationCalls, gate_parameters, l2norm, raw_gate_kernel_inputs
+from conformance.checks.calls import (
+    ImplementationCalls,
+    gate_parameters,
+    kernel_arguments,
+    l2norm,
+    raw_gate_kernel_inputs,
+)
 from conformance.checks.catalogue import CheckSkipped, CheckSpec
+from conformance.checks.causality import (
+    changed_bits,
+    changed_from,
+    cotangents_before,
+    gradient_breaks,
+    hidden_states_changed_from,
+    split_positions,
+)
 from conformance.checks.kinds import CheckKind
 from conformance.checks.memo import Memo
 from conformance.checks.reductions import reduction_of
@@ -27,6 +41,7 @@ from conformance.checks.truth import (
     computed_layer_truth,
     computed_matmul_model,
     computed_reduction_spread,
+    gradient_cotangents,
     not_computed,
     recurrence_fp64,
     stored_truth,
@@ -43,13 +58,23 @@ from conformance.judging.reduction import ReductionSpread, reduction_limits, spr
 from conformance.judging.verdict import CONTRACT_MODE
 from conformance.policy import TolerancePolicy
 from kda_spec import dump_format as fmt
-from kda_spec.truth import l2_normalised, packed_chunk_start_states, packed_delta_rule, raw_gate_decay
+from kda_spec.truth import (
+    l2_normalised,
+    packed_chunk_start_states,
+    packed_delta_rule,
+    packed_delta_rule_vjp,
+    raw_gate_decay,
+)
 
 KERNEL_TRUTH_SOURCE = "float64 recurrence on the dumped kernel inputs"
 RAW_GATE_KERNEL_TRUTH_SOURCE = (
     "float64 recurrence on the dumped kernel inputs, g the float64 gate of the dumped g_raw, A_log, dt_bias"
 )
 OWN_INPUTS_TRUTH_SOURCE = "float64 recurrence on the layer's own q, k, v, g, beta (its intermediates)"
+GRADIENT_TRUTH_SOURCE = (
+    "float64 recurrence's vector-Jacobian product (kda_spec.truth.packed_delta_rule_vjp) on the dumped "
+    "kernel inputs, the cotangents seeded by the case"
+)
 CHECKPOINT_KERNEL_TRUTH_SOURCE = (
     f"float64 recurrence on the dumped kernel inputs, its state entering every {kinds.CHECKPOINT_CHUNK_SIZE}-"
     "token chunk"
@@ -338,6 +363,9 @@ class CheckRunner:
             source = CHECKPOINT_KERNEL_TRUTH_SOURCE
         elif kind.truth == kinds.OWN_INPUTS_TRUTH:
             value, source = self.own_inputs_state(case, spec.dtype, np.float64), OWN_INPUTS_TRUTH_SOURCE
+        elif kind.truth == kinds.GRADIENT_TRUTH:
+            value = self.kernel_gradients(case, spec.dtype, np.float64)[spec.of.result]
+            source = GRADIENT_TRUTH_SOURCE
         elif kind.truth in (kinds.KERNEL_TRUTH, kinds.RAW_GATE_KERNEL_TRUTH):
             raw_gate = kind.truth == kinds.RAW_GATE_KERNEL_TRUTH
             o, state = self.kernel_truth(case, spec.dtype, raw_gate)
@@ -412,6 +440,30 @@ class CheckRunner:
 
         return self._derived.get(("checkpoints", dtype, np.dtype(precision).name), compute)
 
+    def gradient_cotangents(self, case: CaseData, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+        """The cotangents (do, dht) of the case's gradient checks in the `dtype` run (`truth.
+        gradient_cotangents`)."""
+        return self._derived.get(
+            ("cotangents", dtype), lambda: gradient_cotangents(case, dtype, self.dumps.config)
+        )
+
+    def kernel_gradients(
+        self, case: CaseData, dtype: str, precision: type[np.floating]
+    ) -> dict[str, np.ndarray]:
+        """The token recurrence's gradients in `precision` (`kda_spec.truth.packed_delta_rule_vjp`) on the
+        dumped kernel inputs of the `dtype` run (q, k l2-normalised in fp32 as the kernels get them, then
+        widened exactly), for the case's cotangents: float64 is the truth of the gradient checks, float32
+        their reference (the dump holds no reference's gradients: the plain fp32 recurrence)."""
+
+        def compute() -> dict[str, np.ndarray]:
+            q, k, v, g, beta = (self.expected(case, name, dtype) for name in KERNEL_INPUTS)
+            inputs = (np.asarray(x, precision) for x in (l2norm(q), l2norm(k), v, g, beta))
+            init = None if case.initial_state is None else np.asarray(case.initial_state, precision)
+            do, dht = (np.asarray(x, precision) for x in self.gradient_cotangents(case, dtype))
+            return packed_delta_rule_vjp(*inputs, case.cu_seqlens, init, do, dht)
+
+        return self._derived.get(("kernel-gradients", dtype, np.dtype(precision).name), compute)
+
     def own_inputs_state(self, case: CaseData, dtype: str, precision: type[np.floating]) -> np.ndarray:
         """The final states [N, H, D, D] of the token recurrence in `precision` on the implementation's own
         kernel inputs: the q, k, v, g, beta its layer run of the `dtype` run exposes. float64 (q and k
@@ -485,6 +537,68 @@ def _layer_state(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
 def _layer_kernel_state(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
     reference = runner.own_inputs_state(case, spec.dtype, np.float32)
     return Sides(runner.calls.layer(case, spec.dtype).final_state, reference, spec.kind.axes)
+
+
+@_sides_of(kinds.KERNEL_CHUNK_GRAD, kinds.KERNEL_CHUNK_GRAD_H0)
+def _kernel_gradient(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
+    name, dtype = spec.of.result, spec.dtype
+    reference = runner.kernel_gradients(case, dtype, np.float32)[name]
+    actual = runner.calls.kernel_vjp_on_dump(case, dtype, runner.gradient_cotangents(case, dtype))[name]
+    return Sides(actual, reference, spec.kind.axes[: reference.ndim])
+
+
+@_sides_of(kinds.KERNEL_CHUNK_CAUSAL)
+def _kernel_causal(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
+    dtype = spec.dtype
+    arguments = kernel_arguments(case, runner.calls.dumped_kernel_inputs(case, dtype))
+    before, _ = runner.calls.kernel_on_dump(case, dtype, "chunk")
+
+    def breaks(position: int) -> np.ndarray:
+        after, _ = runner.calls.kernel_on(case, dtype, "chunk", changed_from(arguments, position))
+        return changed_bits(before, after, position)
+
+    return _causality(case, breaks, kinds.HEAD_AXES)
+
+
+@_sides_of(kinds.KERNEL_CHUNK_GRAD_CAUSAL)
+def _kernel_gradient_causal(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
+    dtype = spec.dtype
+    arguments = kernel_arguments(case, runner.calls.dumped_kernel_inputs(case, dtype))
+    do, dht = runner.gradient_cotangents(case, dtype)
+    names = tuple(f"d{name}" for name in kinds.GRADIENT_INPUTS)
+
+    def breaks(position: int) -> np.ndarray:
+        cotangents = cotangents_before(do, dht, case.cu_seqlens, position)
+        before = runner.calls.run_kernel_vjp(case, dtype, arguments, cotangents)
+        after = runner.calls.run_kernel_vjp(case, dtype, changed_from(arguments, position), cotangents)
+        return gradient_breaks(before, after, position, names)
+
+    return _causality(case, breaks, kinds.HEAD_AXES)
+
+
+@_sides_of(kinds.LAYER_CAUSAL)
+def _layer_causal(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
+    dtype = spec.dtype
+    before = np.asarray(runner.calls.layer(case, dtype).out)
+    hidden_states = runner.calls.inputs(case, dtype)
+
+    def breaks(position: int) -> np.ndarray:
+        changed = hidden_states_changed_from(hidden_states, position)
+        after = runner.calls.extend(dtype, changed, case.cu_seqlens, case.initial_state).out
+        return changed_bits(before, after, position)
+
+    return _causality(case, breaks, kinds.OUT_AXES)
+
+
+def _causality(case: CaseData, breaks: Callable[[int], np.ndarray], axes: tuple[str, ...]) -> Sides:
+    """A causality check's sides: `breaks(P)` (1 where a result before P moved, or a gradient from P on
+    is not zero) at each split position of the case (`causality.split_positions`), their maximum, against
+    zeros; `CheckSkipped` for a 1-token case."""
+    positions = split_positions(case.info.total_tokens)
+    if not positions:
+        raise CheckSkipped("a 1-token case has no position to split at")
+    found = np.maximum.reduce([breaks(position) for position in positions])
+    return Sides(found, np.zeros_like(found), axes)
 
 
 @_sides_of(*kinds.KERNEL_KINDS, *kinds.RAW_GATE_KERNEL_KINDS)

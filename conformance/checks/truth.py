@@ -191,6 +191,17 @@ def _layer_arguments(
     )
 
 
+def gradient_cotangents(case: CaseData, dtype: str, config: KDAConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The cotangents of a case's gradient checks: do [T, H, D] of the kernel's output and dht [N, H, D, D]
+    of its final states, float32 N(0, 1), seeded by the case id and the run's dtype."""
+    stream = [zlib.crc32(case.info.case_id.encode()), zlib.crc32(dtype.encode())]
+    rng = np.random.default_rng(stream)
+    heads, dim = config.num_heads, config.head_dim
+    do = rng.standard_normal((case.info.total_tokens, heads, dim), np.float32)
+    dht = rng.standard_normal((len(case.info.seq_lens), heads, dim, dim), np.float32)
+    return do, dht
+
+
 def not_computed(case: CaseData, name: str, what: str) -> NoTruth:
     """The `NoTruth` of a result `name` that `_computed_layer` leaves out of `what` for a long `case`."""
     return NoTruth(

@@ -86,13 +86,13 @@ def test_the_reports_say_first_where_the_run_ran(good_run: tuple[Path, str]) -> 
     assert dumps["label"] == f"{dumps['url']} (manifest sha256 {dumps['manifest_sha256']})"
     # The verdict line first, then which dump set ran, where the run ran and how its kernels ran.
     summary = [line for line in stdout[stdout.index("KDA conformance") :].splitlines() if line]
-    # 16 + 4: the numpy adapter has no raw-gate form and no checkpoints
-    assert summary[1].startswith("PASS: 84 checked, 24 skipped")
+    # 16 + 4 + 28: the numpy adapter has no raw-gate form, no checkpoints and no gradients
+    assert summary[1].startswith("PASS: 92 checked, 52 skipped")
     assert dumps["family"] == "kimi-linear"
     assert summary[2] == f"dumps: {dumps['label']}, family kimi-linear"
     assert summary[3].startswith(first) and summary[4] == "kernels: auto (fp32, bf16)"
     markdown = (reports / "report.md").read_text().splitlines()
-    assert markdown[2].startswith("**PASS**: 84 checked")
+    assert markdown[2].startswith("**PASS**: 92 checked")
     assert markdown[4] == f"- dumps: {dumps['label']}, family kimi-linear"
     assert markdown[5].startswith(f"- {first}") and markdown[6] == "- kernels: auto (fp32, bf16)"
 
