@@ -47,9 +47,20 @@ from kda_spec.config import KDAConfig
 from kda_spec.families import canonical_weights
 from kda_spec.weight_names import fp32_weights
 
-# An error added to every result of a reduction `sum_i a_i b_i`, given `sum_i |a_i b_i|` of each (the scale
-# of a summation order's rounding): `layer_truth(reduction_error=...)`.
+# An error added to every result of a sum of products `sum_i a_i b_i`, given each one's `summation_scale`
+# (the scale of a summation order's rounding): `layer_truth(reduction_error=...)`.
 ReductionError = Callable[[np.ndarray], np.ndarray]
+
+
+def summation_scale(total: np.ndarray, squares: np.ndarray, terms: int) -> np.ndarray:
+    """The scale of the rounding error of a `terms`-term sum, from its `total` and the sum of its terms'
+    `squares`: the root of the expected sum of its squared partial sums, `sqrt(E sum_j s_j^2)`, for terms
+    drawn alike with the total's mean and the squares' spread, `sqrt(total^2 K/3 + max(0, squares -
+    total^2/K) K/2)`. A sequential fp32 sum rounds each partial sum once, so its error is of order
+    2^-24 times this, whether its terms cancel (partial sums a random walk: `K/2` times the variance) or
+    add up (partial sums growing to the total: `K/3` times its square)."""
+    k = float(terms)
+    return np.sqrt(total * total * k / 3 + np.maximum(0.0, squares - total * total / k) * k / 2)
 
 IMPLEMENTATION = (
     "kda_spec.truth: the layer's math re-implemented in numpy float64 (projections, causal short conv, "
@@ -125,10 +136,11 @@ def short_conv(
     y = np.empty_like(u)
     for start, end in spans:
         padded = np.concatenate([np.zeros((width - 1, u.shape[1]), u.dtype), u[start:end]])
-        y[start:end] = sum(taps[:, j] * padded[j : j + end - start] for j in range(width))
+        terms = [taps[:, j] * padded[j : j + end - start] for j in range(width)]
+        y[start:end] = sum(terms)
         if reduction_error is not None:
-            magnitude = sum(np.abs(taps[:, j] * padded[j : j + end - start]) for j in range(width))
-            y[start:end] += reduction_error(magnitude)
+            squares = sum(term * term for term in terms)
+            y[start:end] += reduction_error(summation_scale(y[start:end], squares, width))
     return y * sigmoid(y)
 
 
@@ -350,8 +362,8 @@ def layer_truth(
     rounds its inputs: `operand_rounding`); None leaves them as they are.
     `reduction_error`: added to the result of every sum of products of the layer outside the recurrence
     (each projection's and o_proj's dot products, the short conv's sums), given each result's
-    `sum |a_i b_i|` (a summation order's rounding: `conformance.checks.truth.computed_reduction_spread`);
-    the norms' sums of squares, which cannot cancel, are left exact. None adds none.
+    `summation_scale` (a summation order's rounding: `conformance.checks.truth.computed_reduction_spread`);
+    the norms' sums of squares are left exact. None adds none.
     """
     w = {name: np.asarray(array, dtype) for name, array in canonical_weights(config, weights).items()}
     spans = list(itertools.pairwise(np.asarray(cu_seqlens).tolist()))
@@ -525,7 +537,8 @@ class _Projections:
         weight = self.w[f"{name}.weight"]
         y = self.operand(a) @ self.operand(weight).T
         if self.reduction_error is not None:
-            y = y + self.reduction_error(np.abs(a) @ np.abs(weight).T)
+            squares = (a * a) @ (weight * weight).T
+            y = y + self.reduction_error(summation_scale(y, squares, a.shape[-1]))
         return self.rounded(y)
 
 

@@ -127,12 +127,12 @@ SPREAD_DRAWS = 8
 
 
 def spread_error(spread_lambda: float, rng: np.random.Generator) -> ReductionError:
-    """The reduction error of the spread's model: `spread_lambda · u · sum |a_i b_i|` for each result of a
-    reduction, with a sign drawn from `rng` (u = 2^-24)."""
+    """The reduction error of the spread's model: `spread_lambda · u · scale` for each sum of products, its
+    `kda_spec.truth.summation_scale`, with a sign drawn from `rng` (u = 2^-24)."""
 
-    def error(magnitude: np.ndarray) -> np.ndarray:
-        sign = rng.choice(np.array([-1.0, 1.0]), size=magnitude.shape)
-        return spread_lambda * FP32_UNIT_ROUNDOFF * magnitude * sign
+    def error(scale: np.ndarray) -> np.ndarray:
+        sign = rng.choice(np.array([-1.0, 1.0]), size=scale.shape)
+        return spread_lambda * FP32_UNIT_ROUNDOFF * scale * sign
 
     return error
 

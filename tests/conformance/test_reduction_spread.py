@@ -13,6 +13,8 @@ from conformance.judging.attribution import TruthError, relative_criteria
 from conformance.judging.reduction import effective_roundings, spread_of, tail_allowance
 from conformance.judging.verdict import decide
 from conformance.policy import TolerancePolicy
+from kda_spec.truth import summation_scale
+from tests.conformance.summation_orders import lane_ordered_matmul
 
 POLICY = TolerancePolicy.load()
 FP32 = POLICY.relative["fp32"]
@@ -99,3 +101,28 @@ def test_the_gate_takes_the_larger_of_the_reference_and_the_spread_and_names_the
 def test_the_default_policy_spreads_fp32_layer_results_only() -> None:
     assert FP32.spread_lambda == 0.5 and FP32.spread_tail == 1e-5
     assert POLICY.relative["bf16"].spread_lambda == 0.0
+
+
+def test_the_summation_scale_is_the_partial_sums_root_mean_square() -> None:
+    """K equal terms m: partial sums j·m, sum of squares m² K³/3 (to leading order); terms of zero total:
+    a random walk, K² σ²/2."""
+    k, m = 128, 0.25
+    assert summation_scale(np.float64(k * m), np.float64(k * m * m), k) == pytest.approx(
+        m * k**1.5 / math.sqrt(3)
+    )
+    assert summation_scale(np.float64(0.0), np.float64(k * 4.0), k) == pytest.approx(k * 2.0 / math.sqrt(2))
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])  # terms that cancel; terms that add up
+def test_a_sequential_fp32_sum_errs_by_half_a_summation_scale(offset: float) -> None:
+    """The spread's model: a sequential fp32 sum's RMS error over many sums is about 0.3-0.5 units of
+    2^-24 · summation_scale (the policy's spread_lambda is 0.5), whether its terms cancel or not; in units
+    of 2^-24 · sum |a_i b_i| the same errors differ by an order of magnitude."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((2048, 128)) + offset).astype(np.float32)
+    w = (np.abs(rng.standard_normal((128, 4))) / 10).astype(np.float32)
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    squares = (x.astype(np.float64) ** 2) @ (w.astype(np.float64) ** 2)
+    error = np.abs(lane_ordered_matmul(x, w, lanes=1).astype(np.float64) - exact)
+    units = error / (2.0**-24 * summation_scale(exact, squares, 128))
+    assert 0.25 < np.sqrt(np.mean(units**2)) <= FP32.spread_lambda
