@@ -152,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument(
         "--space",
         default="cases",
-        choices=("cases", "serving"),
-        help="what to draw: dump cases (default) or serving schedules (docs/serving.md)",
+        choices=("cases", "serving", "grad"),
+        help="what to draw: dump cases (default), serving schedules (docs/serving.md), or dump cases judged "
+        "by the gradient and causality checks (docs/gradients.md)",
     )
     return parser
 
@@ -339,6 +340,7 @@ def cmd_power(args: argparse.Namespace) -> int:
 
 def cmd_search(args: argparse.Namespace) -> int:
     from conformance.search.command import SearchOptions, run_search
+    from conformance.search.judge import CHECKS, GRADIENT_CHECKS
     from conformance.search.serving_search import run_serving_search
     from conformance.suite.options import parse_dtypes
 
@@ -361,6 +363,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         budget_s=args.budget, seed=args.seed, out=Path(args.out), max_tokens=args.max_tokens,
         max_seqs=args.max_seqs, shrink_budget_s=args.shrink_budget, progress=not args.no_progress,
         watchdog=CallWatchdog(_call_timeout(args)),
+        checks=GRADIENT_CHECKS if args.space == "grad" else CHECKS,
     )  # fmt: skip
     try:
         return run_serving_search(search) if serving else run_search(search)

@@ -16,13 +16,14 @@ from rich.console import Console
 
 from conformance.adapter import KDAAdapter
 from conformance.adapters.guard import CallWatchdog
+from conformance.checks.kinds import parse_check
 from conformance.exit_codes import ExitCode
 from conformance.policy import TolerancePolicy
 from conformance.reports.json_file import write_json
 from conformance.search import reproducer
 from conformance.search.dumpcase import CASE_ID
 from conformance.search.explore import SHRINK_BUDGET_S, Finding, explore
-from conformance.search.judge import Judge
+from conformance.search.judge import CHECKS, Judge
 from conformance.search.report import REPORT_FILE, SearchProgress, Tally, check_table, regime_table
 from conformance.search.space import MAX_SEQS, MAX_TOKENS, case_strategy
 from conformance.search.weight_sets import weight_sets
@@ -45,6 +46,9 @@ class SearchOptions:
     seed: int
     out: Path
     preset: str = "mini"
+    checks: tuple[str, ...] = (
+        CHECKS  # the case space's judgement: `CHECKS`, or `GRADIENT_CHECKS` (`--space grad`)
+    )
     max_tokens: int = MAX_TOKENS
     max_seqs: int = MAX_SEQS
     shrink_budget_s: float = SHRINK_BUDGET_S
@@ -67,12 +71,13 @@ def run_search(options: SearchOptions, console: Console | None = None) -> int:
     options.out.mkdir(parents=True, exist_ok=True)
     sets = weight_sets(options.dumps, options.preset, options.seed, options.adapter_class.FAMILIES)
     judge = Judge(
-        options.adapter_class, options.kernel, options.options, options.policy, sets, options.watchdog
-    )
+        options.adapter_class, options.kernel, options.options, options.policy, sets, options.watchdog,
+        options.checks,
+    )  # fmt: skip
     strategy = case_strategy(
         options.dtypes, list(sets), max_tokens=options.max_tokens, max_seqs=options.max_seqs
     )
-    tally = Tally()
+    tally = Tally(options.checks)
     with SearchProgress(options.budget_s, console, enabled=options.progress) as progress:
 
         def seen(verdict, shrinking):
@@ -99,6 +104,7 @@ def run_search(options: SearchOptions, console: Console | None = None) -> int:
         "weights": {name: weight_set.source for name, weight_set in sets.items()},
         "configs": {name: weight_set.config.to_manifest() for name, weight_set in sets.items()},
         "dtypes": list(options.dtypes),
+        "checks": list(options.checks),
         "seed": options.seed,
         "budget_s": options.budget_s,
         "seconds": exploration.seconds,
@@ -122,12 +128,14 @@ def _found(options: SearchOptions, judge: Judge, finding: Finding, console: Cons
     )
     dirty = reproducer.builtin_failures(path, options.kernel, options.policy, dtype)
     command = replay_command(options, str(path), dtype)
-    console.print(
-        f"[bold red]FOUND[/] {finding.check} after {finding.found_s:.0f} s: ratio {judged.ratio:.3g} "
+    numbers = (
         f"(impl margin {judged.impl_margin:.3g} / nRMSE {judged.impl_nrmse:.3g} vs truth; the plain fp32 "
         f"pipeline {judged.base_margin:.3g} / {judged.base_nrmse:.3g})"
-        + (f" — {judged.fault}" if judged.fault else "")
     )
+    if parse_check(finding.check).kind.truth is None:
+        numbers = "(a bit-exact check: its results moved)"
+    found = f"[bold red]FOUND[/] {finding.check} after {finding.found_s:.0f} s: ratio {judged.ratio:.3g}"
+    console.print(f"{found} {numbers}" + (f" — {judged.fault}" if judged.fault else ""))
     console.print(f"  first drawn: {finding.first.describe()}")
     console.print(
         f"  shrunk to:   {finding.case.describe()} ({finding.case.tokens} tokens, "

@@ -50,6 +50,7 @@ from conformance.checks.runner import CheckRunner
 from conformance.checks.truth import NoTruth
 from conformance.dumps.reader import CaseData, DumpSet
 from conformance.judging.attribution import TruthError, error_vs_truth, relative_criteria
+from conformance.judging.comparison import Comparison
 from conformance.judging.limits import RelativeLimits
 from conformance.judging.verdict import decide
 from conformance.policy import TolerancePolicy
@@ -75,6 +76,19 @@ CHECKS = tuple(
         Check(kinds.DECODE, "k8"),
         Check(kinds.CHUNKED_PREFILL),
         Check(kinds.CHUNKED_PREFILL_STATE),
+    )
+)
+# `--space grad`: the checks of training (docs/gradients.md) on the same generated cases: the chunk kernel's
+# gradients against the float64 truth's (judged as `CHECKS` are), and causality, bit-exact (no truth: a
+# check that fails is an infinite ratio).
+GRADIENT_CHECKS = tuple(
+    check.name
+    for check in (
+        *(Check(kinds.KERNEL_CHUNK_GRAD, name) for name in kinds.GRADIENT_INPUTS),
+        Check(kinds.KERNEL_CHUNK_GRAD_H0),
+        Check(kinds.KERNEL_CHUNK_CAUSAL),
+        Check(kinds.KERNEL_CHUNK_GRAD_CAUSAL),
+        Check(kinds.LAYER_CAUSAL),
     )
 )
 MEMORY_ROOT = "memory://conformance-search"
@@ -144,6 +158,14 @@ def judgement(
     return CheckJudgement(check, ratio, impl.margin, impl.nrmse, base.margin, base.nrmse)
 
 
+def bit_exact_judgement(check: str, comparison: Comparison) -> CheckJudgement:
+    """A check without a truth (bit-exact: causality) as a judgement: ratio 0 when it holds, infinite when
+    it fails (its margin and nRMSE against the zeros it compares with recorded beside)."""
+    measured = comparison.measurement
+    ratio = 0.0 if comparison.passed else float("inf")
+    return CheckJudgement(check, ratio, measured.margin, measured.nrmse, 0.0, 0.0)
+
+
 @dataclasses.dataclass
 class Judge:
     """Judges cases on one implementation: `adapter_class` with `kernel` and `options`, one adapter per
@@ -156,6 +178,7 @@ class Judge:
     policy: TolerancePolicy
     weight_sets: Mapping[str, WeightSet]
     watchdog: CallWatchdog | None = None
+    checks: tuple[str, ...] = CHECKS  # what each case is judged by: `CHECKS`, or `GRADIENT_CHECKS`
     _adapters: dict[tuple[str, str], KDAAdapter] = dataclasses.field(default_factory=dict, init=False)
     _ids: Iterator[int] = dataclasses.field(default_factory=itertools.count, init=False)
 
@@ -191,7 +214,7 @@ class Judge:
         )
 
     def judge(self, case: SearchCase) -> CaseVerdict:
-        """Every check of `CHECKS` on `case` (module docstring)."""
+        """Every check of `self.checks` on `case` (module docstring)."""
         started = time.perf_counter()
         url = f"{MEMORY_ROOT}/{next(self._ids)}"
         self.write(case, url, {})
@@ -199,11 +222,14 @@ class Judge:
             runner = self.runner(url, case)
             data = runner.case(CASE_ID)
             checks, skipped = {}, {}
-            perturbed = self.perturbed_pipeline(case, data) if case.dtype == "fp32" else None
-            for check in CHECKS:
+            perturbed: list[dict[str, np.ndarray]] = []  # the one-ulp pipeline, computed on first use
+            for check in self.checks:
                 spec = CheckSpec(CASE_ID, case.dtype, check)
                 try:
                     sides = runner.sides(data, spec)
+                    if spec.kind.truth is None:
+                        checks[check] = bit_exact_judgement(check, runner.judge(data, spec, sides).comparison)
+                        continue
                     truth, _ = runner.truth(data, spec, sides)
                 except (CheckSkipped, NoTruth) as why:
                     skipped[check] = str(why)
@@ -213,8 +239,10 @@ class Judge:
                     checks[check] = CheckJudgement(check, inf, inf, inf, 0.0, 0.0, fault=fault.message)
                     continue
                 bases = [sides.expected]
-                if perturbed is not None and spec.kind.truth == kinds.LAYER_TRUTH:
-                    bases.append(sides.rows_of(perturbed[spec.of.result]))
+                if case.dtype == "fp32" and spec.kind.truth == kinds.LAYER_TRUTH:
+                    if not perturbed:
+                        perturbed.append(self.perturbed_pipeline(case, data))
+                    bases.append(sides.rows_of(perturbed[0][spec.of.result]))
                 tolerance = self.policy.tolerance(check, case.dtype)
                 limits = runner.relative_limits(data, spec, tolerance, truth, sides)
                 checks[check] = judgement(check, sides.actual, bases, truth, self.policy, case.dtype, limits)

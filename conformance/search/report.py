@@ -19,19 +19,21 @@ REPORT_FILE = "search.json"
 
 @dataclasses.dataclass
 class Tally:
-    """Running counts over the judged cases (the shrinking's counted apart); `worst`: check → the largest
-    ratio it reached and the case it was on."""
+    """Running counts over the judged cases (the shrinking's counted apart); `worst`: check (those of
+    `checks`) → the largest ratio it reached and the case it was on."""
 
+    checks: tuple[str, ...] = CHECKS
     cases: int = 0
     shrink_cases: int = 0
     flagged_cases: int = 0
     case_seconds: float = 0.0
     per_regime: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    worst: dict[str, tuple[float, str]] = dataclasses.field(
-        default_factory=lambda: dict.fromkeys(CHECKS, (0.0, ""))
-    )
+    worst: dict[str, tuple[float, str]] = dataclasses.field(init=False)
     judged: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     skipped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def __post_init__(self) -> None:
+        self.worst = dict.fromkeys(self.checks, (0.0, ""))
 
     def add(self, verdict: CaseVerdict, shrinking: bool) -> None:
         if shrinking:
@@ -106,7 +108,10 @@ def regime_table(tally: Tally) -> Table:
 
 
 def check_table(tally: Tally) -> Table:
-    title = "worst relative ratio per check: impl vs truth over the relative gate's limit"
+    title = (
+        "worst relative ratio per check: impl vs truth over the relative gate's limit (a bit-exact check: 0 "
+        "or inf)"
+    )
     table = Table(title=f"{title}; flagged above {HEADROOM:g}")
     table.add_column("check", no_wrap=True)
     for column in ("judged", "skipped", "worst ratio"):

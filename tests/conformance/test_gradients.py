@@ -6,12 +6,14 @@ its seeded defects."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conformance import cli
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
 from conformance.checks import kinds
 from conformance.checks.catalogue import CheckSkipped, CheckSpec
@@ -21,6 +23,7 @@ from conformance.checks.runner import CheckRunner
 from conformance.dumps.reader import DumpSet
 from conformance.judging.verdict import worst_ratio
 from conformance.policy import TolerancePolicy
+from conformance.search import judge as search_judge
 from conformance.search.dumpcase import CASE_ID, write_case_set
 from conformance.search.space import SearchCase
 from conformance.search.weight_sets import weight_sets
@@ -170,3 +173,39 @@ def test_an_adapter_without_the_gradient_protocol_is_skipped_with_the_reason(syn
 )
 def test_a_case_is_split_on_a_chunk_boundary_and_inside_a_chunk(tokens: int, positions: list[int]) -> None:
     assert split_positions(tokens) == positions
+
+
+@pytest.mark.parametrize(
+    ("defect", "checks"),
+    [
+        ("BetaGradientScaled", {"kernel-chunk-grad-beta"}),
+        ("AnchoredAtChunkEnd", {"kernel-chunk-causal", "kernel-chunk-grad-causal"}),
+    ],
+)
+def test_the_grad_space_finds_and_shrinks_each_seeded_defect(tmp_path, defect: str, checks: set[str]) -> None:
+    code = cli.main(
+        [
+            "search", "--space", "grad", "--impl", f"tests.conformance.gradient_adapters:{defect}",
+            "--preset", "mini", "--budget", "120", "--shrink-budget", "60", "--max-tokens", "32",
+            "--max-seqs", "2", "--out", str(tmp_path), "--no-progress",
+        ]
+    )  # fmt: skip
+    assert code == 1
+    report = json.loads((tmp_path / "search.json").read_text())
+    finding = report["finding"]
+    assert finding["check"] in checks and finding["case"]["seq_lens"] in ([1], [2])
+    assert [r["passed"] for r in finding["replay"]] == [False]
+    assert finding["kda_impl_fails"] == []
+    assert report["checks"] == list(search_judge.GRADIENT_CHECKS)
+
+
+def test_kda_impl_holds_a_short_grad_search(tmp_path) -> None:
+    code = cli.main(
+        [
+            "search", "--space", "grad", "--preset", "mini", "--budget", "20", "--max-tokens", "64",
+            "--out", str(tmp_path), "--no-progress",
+        ]
+    )  # fmt: skip
+    report = json.loads((tmp_path / "search.json").read_text())
+    assert code == 0 and report["finding"] is None and report["tally"]["cases"] >= 1
+    assert set(report["tally"]["per_check"]) == set(search_judge.GRADIENT_CHECKS)
