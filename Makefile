@@ -1,7 +1,7 @@
 # Every target creates and reuses a local virtualenv (.venv) on first use.
 #   make conform   the conformance suite of kda_impl against golden/ and golden-glm5-next/ (JAX only, no
 #                  torch); DUMPS= checks that one set instead
-#   make fla-tests FLA=PATH  fla's forward KDA tests (an fla checkout) on kda_impl's kernels (KERNEL=)
+#   make fla-tests FLA=PATH  fla's KDA tests, forward and backward (an fla checkout), on kda_impl (KERNEL=)
 #   make test      the project's own tests (installs the CPU torch references too), on PYTEST_WORKERS
 #                  processes (pytest-xdist; default: the CPU count, at most 4)
 # Each target installs the extras of this host's platform, PLATFORM=cpu|tpu|cuda, detected
@@ -102,8 +102,9 @@ conform: $(VENV)/.core-$(PLATFORM) $(GCS_FOR_DUMPS)
 test: $(VENV)/.full-$(PLATFORM) $(LIBTPU_DIR)/.installed
 	KDA_LIBTPU_PATH=$(abspath $(LIBTPU_DIR)) $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
-# fla's own forward KDA tests (tests/ops/test_kda.py of an fla checkout FLA=PATH) on kda_impl's kernels,
-# KERNEL=naive|pallas (Pallas in interpret mode off TPU); tests/fla_shim, docs/kernels.md.
+# fla's own KDA tests (tests/ops/test_kda.py of an fla checkout FLA=PATH), forward and backward checks, on
+# kda_impl's kernels, KERNEL=naive|pallas (Pallas in interpret mode off TPU; the backward is plain JAX's);
+# tests/fla_shim, docs/kernels.md.
 fla-tests: $(VENV)/.full-$(PLATFORM)
 	@test -n "$(FLA)" || { echo "make fla-tests needs FLA=PATH, an fla checkout"; exit 2; }
 	$(PY) -m tests.fla_shim --fla $(FLA) --kernel $(if $(filter auto,$(KERNEL)),naive,$(KERNEL)) $(PYTEST_ARGS)

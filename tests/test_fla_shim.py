@@ -14,8 +14,10 @@ import pytest
 
 pytestmark = pytest.mark.torch
 
-# A test module in fla's form: its imports, `device`, fla's references and assert_close; a forward test
-# with a gradient check, an option kda_impl does not have, a failing check, and a GPU-only skip.
+# A test module in fla's form: its imports, `device`, fla's references and assert_close; a forward and
+# backward test whose gradient checks hold kda_impl's dq and dk to fla's naive recurrence under torch
+# autograd, an option kda_impl does not have, a failing forward check, failing gradient checks (one
+# warning-only, as fla's dA) around a passing one, and a GPU-only skip.
 FAKE_TEST_KDA = """
 import pytest
 import torch
@@ -37,13 +39,17 @@ def inputs(HV):
 @pytest.mark.parametrize("HV", [1, 2])
 def test_forward_and_backward(HV):
     q, k, v, g, beta = inputs(HV)
+    do = torch.randn(1, 20, HV, 16, device=device)
     ref, ref_ht = naive_recurrent_kda(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, beta,
                                       output_final_state=True)
+    (ref * do).sum().backward()
+    ref_dq, ref_dk, q.grad, k.grad = q.grad, k.grad, None, None
     tri, tri_ht = fused_recurrent_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    tri.sum().backward()
+    (tri * do).sum().backward()
     assert_close("o", ref, tri, 0.005)
     assert_close("ht", ref_ht, tri_ht, 0.005)
-    assert_close("dq", ref, q.grad, 0.005)
+    assert_close("dq", ref_dq, q.grad, 0.005)
+    assert_close("dk", ref_dk, k.grad, 0.005)
 
 
 def test_unsupported():
@@ -55,6 +61,15 @@ def test_failing_check():
     assert_close("o", 2 * tri, tri, 0.005)
 
 
+def test_failing_gradient_check():
+    q, k, v, g, beta = inputs(1)
+    tri, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    tri.sum().backward()
+    assert_close("dq", 2 * q.grad, q.grad, 0.005)
+    assert_close("dk", k.grad, k.grad, 0.005)
+    assert_close("dA", 2 * k.grad, k.grad, 0.003, warning=True)
+
+
 @pytest.mark.skipif(True, reason="test_x requires CUDA or NPU")
 def test_gpu_only():
     assert torch.device("cuda").type == "cpu"
@@ -62,8 +77,10 @@ def test_gpu_only():
 
 
 def test_plugin_counts_a_fla_style_test_file(tmp_path: Path):
-    """Forward checks run, gradient checks do not (counted), an fla-only option is unsupported, a wrong
-    result fails, a GPU-only skip of fla's own kernels is lifted; the JSON report says so."""
+    """Forward and backward checks run and are counted apart, per test and in all: kda_impl's gradients
+    pass against fla's naive recurrence; a failed check fails its test after the test's later checks
+    ran, a warning-only one (fla's dA) is counted failed without failing its test; an fla-only option is
+    unsupported, a GPU-only skip of fla's own kernels is lifted; the JSON report says so."""
     from tests.fla_shim import adapters
     from tests.fla_shim.__main__ import main
 
@@ -78,12 +95,65 @@ def test_plugin_counts_a_fla_style_test_file(tmp_path: Path):
     summary = json.loads(report.read_text())
     assert status == 1  # a test failed
     counts = {key: summary[key] for key in ("run", "passed", "failed", "unsupported", "skipped")}
-    assert counts == {"run": 5, "passed": 3, "failed": 1, "unsupported": 1, "skipped": 0}
+    assert counts == {"run": 6, "passed": 3, "failed": 2, "unsupported": 1, "skipped": 0}
+    assert summary["forward_checks"] == {"passed": 4, "failed": 1, "failed_warning_only": 0}
+    assert summary["backward_checks"] == {"passed": 5, "failed": 2, "failed_warning_only": 1}
     tests = summary["tests"]
-    assert tests["test_forward_and_backward[2]"]["backward_checks_not_run"] == ["dq"]
+    for hv in (1, 2):
+        both = tests[f"test_forward_and_backward[{hv}]"]
+        assert both["outcome"] == "passed"
+        assert (
+            both["forward_checks"]
+            == both["backward_checks"]
+            == {"passed": 2, "failed": 0, "failed_warning_only": 0}
+        )
+    gradient = tests["test_failing_gradient_check"]
+    assert gradient["outcome"] == "failed"
+    assert gradient["backward_checks"] == {"passed": 1, "failed": 2, "failed_warning_only": 1}
+    assert [failure.split()[0] for failure in gradient["failed_checks"]] == ["dq", "dA"]
+    assert gradient["failed_checks"][1].endswith("(warning only)")
+    assert tests["test_failing_check"]["forward_checks"]["failed"] == 1
     assert "use_graph" in tests["test_unsupported"]["reason"]
-    assert tests["test_failing_check"]["outcome"] == "failed"
-    assert summary["tests_with_backward_checks_not_run"] == 2
+
+
+def test_adapter_gradients_under_both_kernels():
+    """The chunk adapter's gradients of every float input (float64 tensors, computed in float32), in the
+    inputs' dtype, against torch autograd of fla's naive recurrence (float32 arithmetic whatever its
+    inputs' dtype); under `KERNEL = "pallas"` the same gradients to the bit (the backward is the
+    plain-JAX kernel's)."""
+    import torch
+    import torch.nn.functional as F
+    from fla.ops.kda.naive import naive_recurrent_kda
+
+    from tests.fla_shim import adapters
+
+    torch.manual_seed(2)
+    q, k, v = (torch.rand(2, 40, 2, 16, dtype=torch.float64) for _ in range(3))
+    g = F.logsigmoid(torch.randn(2, 40, 2, 16, dtype=torch.float64))
+    beta, h0 = torch.rand(2, 40, 2, dtype=torch.float64), torch.randn(2, 2, 16, 16, dtype=torch.float64)
+    inputs = [x.requires_grad_() for x in (q, k, v, g, beta, h0)]
+    do, dht = torch.randn(2, 40, 2, 16, dtype=torch.float64), torch.randn(2, 2, 16, 16, dtype=torch.float64)
+
+    def gradients(function, **options):
+        o, ht = function(*inputs[:5], initial_state=h0, output_final_state=True, **options)
+        return torch.autograd.grad((o * do).sum() + (ht * dht).sum(), inputs)
+
+    reference = gradients(
+        lambda q, k, *rest, **kw: naive_recurrent_kda(
+            F.normalize(q, dim=-1), F.normalize(k, dim=-1), *rest, **kw
+        )
+    )
+    by_kernel = {}
+    try:
+        for kernel in ("naive", "pallas"):
+            adapters.KERNEL = kernel
+            by_kernel[kernel] = gradients(adapters.chunk_kda, use_qk_l2norm_in_kernel=True)
+    finally:
+        adapters.KERNEL = "naive"
+    for expected, plain, pallas in zip(reference, by_kernel["naive"], by_kernel["pallas"], strict=True):
+        assert plain.dtype == torch.float64 and plain.shape == expected.shape
+        assert (plain - expected).norm() <= 1e-5 * expected.norm()
+        assert torch.equal(plain, pallas)
 
 
 def test_decode_adapter_updates_the_pool_in_place_as_fla():

@@ -1,4 +1,4 @@
-"""fla's forward KDA functions, in fla's torch calling convention, computed by kda_impl's kernels.
+"""fla's KDA functions in fla's torch calling convention, by kda_impl's kernels (forward and backward).
 
 Each adapter takes the arguments of its fla function (bound to fla's own signature, so positional calls
 work as in fla), converts the torch tensors to JAX arrays (the same dtype: float16, bfloat16 and float32
@@ -10,13 +10,21 @@ kda_impl does not have (context parallelism, CUDA graphs, headwise beta, spec de
 `Unsupported`; so does a kernel that refuses an option by name (a TypeError "unexpected keyword
 argument", as kda_impl's kernels before fla's options were added).
 
-The outputs carry a torch autograd node whose backward gives zero gradients (`NoGradient`), so the tests'
-`.backward()` calls run; their gradient checks are not run (see `plugin.py`).
+Gradients: when autograd is on and a float tensor argument requires grad, the outputs come from a torch
+autograd node, `JaxBackward`: its forward runs the kda_impl call through `jax.vjp` with every float tensor
+argument (q, k, v, g, beta, initial_state, A_log, dt_bias, ...) as a primal and keeps the pullback; its
+backward converts torch's output gradients to JAX, applies the pullback and returns each input's
+gradient in the input's dtype and device (float64 ones computed in float32, as the forward). The plain-JAX
+kernels are differentiated by JAX's autodiff. The Pallas kernels have none: under `KERNEL = "pallas"` the
+forward runs the Pallas kernel and the backward is that of the plain-JAX kernel on the same arguments
+(`kernel="naive"`, its forward recomputed in the backward), so a gradient check judges the plain-JAX
+kernels' backward under either choice.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,22 +41,70 @@ UNSUPPORTED_UNLESS = {
 }
 
 
+# A kda_impl call: (the kernel choice, the float tensor arguments as JAX arrays by name) -> its outputs.
+JaxCall = Callable[[str, dict[str, Any]], tuple[Any, ...]]
+Outputs = tuple[torch.Tensor | None, ...]
+
+
 class Unsupported(Exception):
     """An fla option or calling form kda_impl does not have."""
 
 
-class NoGradient(torch.autograd.Function):
-    """Identity on kda_impl's outputs, attached to the inputs that require grad: a backward pass runs
-    through it and gives them zero gradients (never checked: the plugin does not run gradient checks)."""
+class JaxBackward(torch.autograd.Function):
+    """A kda_impl call as a torch autograd node: `apply(call, kernel, names, *tensors)` returns
+    `call(kernel, {name: tensor as JAX})`'s outputs as torch tensors, and its backward gives `tensors` the
+    gradients of JAX's pullback (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, outputs: tuple[torch.Tensor, ...], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.save_for_backward(*inputs)
-        return tuple(x.clone() for x in outputs)
+    def forward(
+        ctx: Any, call: JaxCall, kernel: str, names: tuple[str, ...], *tensors: torch.Tensor
+    ) -> Outputs:
+        primals = {name: to_jax(tensor) for name, tensor in zip(names, tensors, strict=True)}
+        outputs, ctx.pullback = outputs_and_pullback(call, kernel, primals)
+        ctx.names = names
+        ctx.output_dtypes = tuple(None if x is None else x.dtype for x in outputs)
+        ctx.input_types = tuple((tensor.dtype, tensor.device) for tensor in tensors)
+        return tuple(to_torch(x) for x in outputs)
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return (None, *(torch.zeros_like(x) for x in ctx.saved_tensors))
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        import jax.numpy as jnp
+
+        cotangents = tuple(
+            None if dtype is None else jnp.asarray(to_jax(grad), dtype)
+            for grad, dtype in zip(grads, ctx.output_dtypes, strict=True)
+        )
+        (gradients,) = ctx.pullback(cotangents)
+        inputs = zip(ctx.names, ctx.input_types, ctx.needs_input_grad[3:], strict=True)
+        grads_in = (
+            to_torch(gradients[name]).to(dtype=dtype, device=device) if need else None
+            for name, (dtype, device), need in inputs
+        )
+        return (None, None, None, *grads_in)
+
+
+def outputs_and_pullback(
+    call: JaxCall, kernel: str, primals: dict[str, Any]
+) -> tuple[tuple[Any, ...], Callable[[tuple[Any, ...]], tuple[dict[str, Any]]]]:
+    """`call(kernel, primals)`'s outputs and the pullback of `call("naive", ...)` at `primals`: one
+    `jax.vjp` for the plain-JAX kernels; for another kernel its own forward, the plain-JAX vjp computed
+    when the pullback is applied."""
+    import jax
+
+    def naive(primals: dict[str, Any]) -> tuple[Any, ...]:
+        return call("naive", primals)
+
+    if kernel == "naive":
+        return jax.vjp(naive, primals)
+    return call(kernel, primals), lambda cotangents: jax.vjp(naive, primals)[1](cotangents)
+
+
+def differentiable(call: JaxCall, kernel: str, floats: dict[str, torch.Tensor]) -> Outputs:
+    """`call(kernel, floats as JAX)`'s outputs as torch tensors, through `JaxBackward` when autograd is on
+    and one of `floats` requires grad."""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in floats.values()):
+        return JaxBackward.apply(call, kernel, tuple(floats), *floats.values())
+    return tuple(to_torch(x) for x in call(kernel, {name: to_jax(x) for name, x in floats.items()}))
 
 
 def to_jax(x: Any) -> Any:
@@ -77,19 +133,6 @@ def to_torch(x: Any) -> Any:
     return torch.from_numpy(array.astype(np.float32)).to(TORCH_DTYPES[array.dtype.name])
 
 
-def with_no_gradient(outputs: tuple[Any, ...], inputs: dict[str, Any]) -> tuple[Any, ...]:
-    """`outputs` (torch tensors or None) attached by `NoGradient` to the inputs that require grad."""
-    needing = [x for x in inputs.values() if isinstance(x, torch.Tensor) and x.requires_grad]
-    present = [i for i, x in enumerate(outputs) if x is not None]
-    if not needing or not torch.is_grad_enabled():
-        return outputs
-    attached = NoGradient.apply(tuple(outputs[i] for i in present), *needing)
-    result = list(outputs)
-    for i, tensor in zip(present, attached, strict=True):
-        result[i] = tensor
-    return tuple(result)
-
-
 def bind(function: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The call's arguments by name, as fla's `function` binds them (its **kwargs merged in)."""
     bound = inspect.signature(function).bind(*args, **kwargs)
@@ -115,24 +158,32 @@ def drop_torch_only(named: dict[str, Any]) -> None:
     named.pop("disable_recompute", None)
 
 
-def call_kernel(name: str, named: dict[str, Any], defaults: dict[str, Any]) -> Any:
-    """`kda_impl.kernels.<name>` under `KERNEL` on `named`, the arguments equal to fla's `defaults`
-    dropped (so a kernel without an option runs while the option is off); a TypeError naming an
-    unexpected keyword is `Unsupported`."""
+def call_kernel(name: str, named: dict[str, Any], defaults: dict[str, Any]) -> Outputs:
+    """`kda_impl.kernels.<name>` under `KERNEL` on `named` (its float tensors differentiable, see
+    `differentiable`), the arguments equal to fla's `defaults` dropped (so a kernel without an option runs
+    while the option is off); a TypeError naming an unexpected keyword is `Unsupported`."""
     from kda_impl import kernels
 
-    tensors = ("q", "k", "v", "g", "beta")
+    floats = {key: value for key, value in named.items() if _is_float_tensor(value)}
     options = {
         key: to_jax(value)
         for key, value in named.items()
-        if key not in tensors and not (key in defaults and _is_default(value, defaults[key]))
+        if key not in floats and not (key in defaults and _is_default(value, defaults[key]))
     }
-    try:
-        return getattr(kernels, name)(*(to_jax(named[t]) for t in tensors), kernel=KERNEL, **options)
-    except TypeError as err:
-        if "unexpected keyword argument" in str(err):
-            raise Unsupported(f"kda_impl {name}: {err}") from err
-        raise
+
+    def call(kernel: str, primals: dict[str, Any]) -> tuple[Any, ...]:
+        try:
+            return tuple(getattr(kernels, name)(**primals, kernel=kernel, **options))
+        except TypeError as err:
+            if "unexpected keyword argument" in str(err):
+                raise Unsupported(f"kda_impl {name}: {err}") from err
+            raise
+
+    return differentiable(call, KERNEL, floats)
+
+
+def _is_float_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
 def _is_default(value: Any, default: Any) -> bool:
@@ -155,8 +206,7 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
     check_supported(named)
     drop_torch_only(named)
     named.setdefault("chunk_size", CHUNK_SIZE)
-    result = call_kernel("chunk_kda", named, {**_fla_defaults(fla_chunk_kda), "A_log": None, "dt_bias": None})
-    return with_no_gradient(tuple(to_torch(x) for x in result), named)
+    return call_kernel("chunk_kda", named, {**_fla_defaults(fla_chunk_kda), "A_log": None, "dt_bias": None})
 
 
 def fused_recurrent_kda(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
@@ -165,8 +215,7 @@ def fused_recurrent_kda(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
 
     named = bind(fla_fused_recurrent_kda, args, kwargs)
     check_supported(named)
-    result = call_kernel("fused_recurrent_kda", named, _fla_defaults(fla_fused_recurrent_kda))
-    return with_no_gradient(tuple(to_torch(x) for x in result), named)
+    return call_kernel("fused_recurrent_kda", named, _fla_defaults(fla_fused_recurrent_kda))
 
 
 def fused_recurrent_kda_fwd(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
@@ -192,12 +241,13 @@ def fused_recurrent_kda_fwd(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
     named.update(state_buffer=pool, slot_indices=indices.to(torch.int32))
     defaults = {**_fla_defaults(fla_fwd), "A_log": None, "dt_bias": None}
     o, new_pool = call_kernel("decode_kda_slots", named, defaults)
-    pool.copy_(to_torch(new_pool))
-    return to_torch(o)[None], pool
+    pool.copy_(new_pool)
+    return o[None], pool
 
 
 def fused_kda_gate(*args: Any, **kwargs: Any) -> Any:
-    """fla's `fused_kda_gate` (forward, fp32 output) by `kda_impl.kernels.options.fla_gate`."""
+    """fla's `fused_kda_gate` (fp32 output) by `kda_impl.kernels.options.fla_gate`, plain JAX under either
+    `KERNEL`; differentiable in g, A_log and dt_bias (`differentiable`)."""
     from fla.ops.kda.gate import fused_kda_gate as fla_fused_kda_gate
 
     from kda_impl.kernels import options
@@ -207,5 +257,13 @@ def fused_kda_gate(*args: Any, **kwargs: Any) -> Any:
         raise Unsupported("fused_kda_gate's output_dtype other than float32")
     if getattr(options, "fla_gate", None) is None:
         raise Unsupported("kda_impl has no fla_gate")
-    gate = options.fla_gate(*(to_jax(named[n]) for n in ("g", "A_log", "dt_bias")), named["lower_bound"])
-    return with_no_gradient((to_torch(gate),), named)[0]
+    floats = {name: named[name] for name in ("g", "A_log", "dt_bias") if named[name] is not None}
+
+    def gate(kernel: str, primals: dict[str, Any]) -> tuple[Any]:
+        return (
+            options.fla_gate(
+                primals["g"], primals.get("A_log"), primals.get("dt_bias"), named["lower_bound"]
+            ),
+        )
+
+    return differentiable(gate, "naive", floats)[0]

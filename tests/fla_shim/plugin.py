@@ -1,9 +1,10 @@
 """The pytest plugin that runs fla's own KDA tests (tests/ops/test_kda.py of an fla checkout) on kda_impl.
 
 After collection, the test module's fla kernel functions are replaced by `adapters` (kda_impl's kernels
-under `--shim-kernel naive|pallas`): `chunk_kda`, `fused_recurrent_kda`, `fused_recurrent_kda_fwd` (vLLM's
-slot-pool form, by `decode_kda_slots`) and `fused_kda_gate`. fla's references (`naive_*`) and its
-`assert_close` stay fla's. Besides:
+under `--shim-kernel naive|pallas`, their backward by JAX's autodiff of the plain-JAX kernels under
+either): `chunk_kda`, `fused_recurrent_kda`, `fused_recurrent_kda_fwd` (vLLM's slot-pool form, by
+`decode_kda_slots`) and `fused_kda_gate`. fla's references (`naive_*`) and its `assert_close` stay fla's.
+Besides:
 
 - `device` is "cpu" (fla.utils reports "cuda" on a host without a GPU; the tests would put the tensors
   there), and the module's `torch.device(...)` gives the CPU device (test_fused_recurrent_vllm_decode
@@ -12,19 +13,26 @@ slot-pool form, by `decode_kda_slots`) and `fused_kda_gate`. fla's references (`
   stays skipped: it checks fla's dispatch to its Ascend kernels, which has no kda_impl counterpart.
 - fla's tests/conftest.py is not loaded (`__main__`): its autouse fixture guards torch.empty for fla's
   own kernels and synchronises fla's device, CUDA by fla.utils' account, absent here.
-- Backward checks are out of scope: `assert_close` on a gradient (`GRADIENT_CHECKS`) is not run and is
-  counted per test; the forward checks of the same test run as written.
+- Every `assert_close` is counted, per test, as a forward check or a backward check (its name in
+  `GRADIENT_CHECKS`), passed or failed. A failed check does not stop its test: the test's later checks
+  run and are counted too, and the test fails at its end with every failed check's message. A check
+  with `warning=True` (fla's dA checks) is counted by the assertion fla would make without it, and
+  only warns, as in fla (it does not fail its test).
 
 The terminal summary (and `--shim-report FILE`, JSON) counts each test as passed, failed, unsupported (an
-`adapters.Unsupported`: an fla option kda_impl does not have) or skipped (with its reason), and says which
-passed tests are reference-only (no kda_impl call: fla's references against each other).
+`adapters.Unsupported`: an fla option kda_impl does not have) or skipped (with its reason), says which
+passed tests are reference-only (no kda_impl call: fla's references against each other), and gives the
+forward and the backward checks passed and failed, in all and per test.
 """
 
 from __future__ import annotations
 
 import json
 import types
+import warnings
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +46,17 @@ REPLACED = ("chunk_kda", "fused_recurrent_kda", "fused_recurrent_kda_fwd", "fuse
 GRADIENT_CHECKS = frozenset({"dq", "dk", "dv", "dg", "db", "db_raw", "dA", "dbias", "dh0"})
 # Skip marks removed: what they wait for is fla's own GPU kernels, which the adapters replace.
 GPU_ONLY_SKIPS = ("requires CUDA or NPU", "FlashKDA backend requires GPU")
+CHECKS_FAILED = "check(s) failed:"  # the message of a test failed by its checks, after their count
+
+
+@dataclass(frozen=True)
+class Check:
+    """One `assert_close` call: its name, whether it compares a gradient, and fla's message if it failed."""
+
+    name: str
+    backward: bool
+    failure: str = ""  # "" when it passed
+    warning_only: bool = False  # `warning=True`: fla only warns when it fails
 
 
 class CpuTorch(types.ModuleType):
@@ -59,7 +78,7 @@ class Shim:
         self.patched: set[int] = set()
         self.current = ""
         self.kernel_calls: Counter[str] = Counter()
-        self.skipped_checks: dict[str, list[str]] = {}
+        self.checks: dict[str, list[Check]] = {}  # test id -> its assert_close calls, in order
         self.outcomes: dict[str, tuple[str, str]] = {}  # test id -> (outcome, reason)
 
     def patch_module(self, module: types.ModuleType) -> None:
@@ -70,15 +89,39 @@ class Shim:
         for name in REPLACED:
             setattr(module, name, self.counted(name, getattr(adapters, name)))
 
-        def assert_close(prefix: str, ref: Any, tri: Any, ratio: float, *args: Any, **kwargs: Any) -> None:
-            if prefix in GRADIENT_CHECKS:
-                self.skipped_checks.setdefault(self.current, []).append(prefix)
-                return
-            fla_assert_close(prefix, ref, tri, ratio, *args, **kwargs)
+        def assert_close(
+            prefix: str, ref: Any, tri: Any, ratio: float, warning: bool = False, **kwargs: Any
+        ) -> None:
+            self.check(
+                prefix, ratio, warning, lambda: fla_assert_close(prefix, ref, tri, ratio, False, **kwargs)
+            )
 
         module.assert_close = assert_close
         module.device = "cpu"
         module.torch = CpuTorch("torch")
+
+    def check(self, name: str, ratio: float, warning_only: bool, assertion: Callable[[], None]) -> None:
+        """Run fla's `assertion` (its assert_close of limit `ratio`, without `warning`) and count it for the
+        current test; a failure is kept for `failed_checks` (or, `warning_only`, only warned about, as fla
+        does); an error other than an AssertionError is counted as a failure and raised."""
+        checks = self.checks.setdefault(self.current, [])
+        backward = name in GRADIENT_CHECKS
+        try:
+            assertion()
+        except AssertionError as err:
+            failure = f"{' '.join(str(err).split())} (limit {ratio})"
+            checks.append(Check(name, backward, failure, warning_only))
+            if warning_only:
+                warnings.warn(failure, stacklevel=3)
+            return
+        except Exception as err:
+            checks.append(Check(name, backward, f"{name}: {type(err).__name__}: {err}", warning_only))
+            raise
+        checks.append(Check(name, backward, "", warning_only))
+
+    def failed_checks(self, nodeid: str) -> list[str]:
+        """The failures of the test's checks that fail it (not the warning-only ones)."""
+        return [c.failure for c in self.checks.get(nodeid, []) if c.failure and not c.warning_only]
 
     def counted(self, name: str, adapter: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -94,6 +137,8 @@ class Shim:
                 self.outcomes[report.nodeid] = ("skipped", reason)
             elif report.failed and call is not None and call.excinfo.errisinstance(adapters.Unsupported):
                 self.outcomes[report.nodeid] = ("unsupported", str(call.excinfo.value))
+            elif report.failed and call is not None and call.excinfo is not None:
+                self.outcomes[report.nodeid] = ("failed", call.excinfo.exconly().strip().splitlines()[0])
             elif report.failed:
                 self.outcomes[report.nodeid] = ("failed", report.longreprtext.strip().splitlines()[-1])
             else:
@@ -111,20 +156,52 @@ class Shim:
                 "outcome": outcome,
                 "reason": reason,
                 "kernel_calls": self.kernel_calls[nodeid],
-                "backward_checks_not_run": self.skipped_checks.get(nodeid, []),
+                **check_counts(self.checks.get(nodeid, [])),
+                "failed_checks": [
+                    c.failure + (" (warning only)" if c.warning_only else "")
+                    for c in self.checks.get(nodeid, [])
+                    if c.failure
+                ],
             }
             for nodeid, (outcome, reason) in self.outcomes.items()
         }
         reference_only = [t for t, r in by_test.items() if r["outcome"] == "passed" and not r["kernel_calls"]]
-        with_backward = [t for t, r in by_test.items() if r["backward_checks_not_run"]]
+        every_check = [check for checks in self.checks.values() for check in checks]
         return {
             "kernel": self.kernel,
+            "backward_by": "JAX's autodiff of the plain-JAX kernels"
+            + (" (the Pallas kernels have none)" if self.kernel == "pallas" else ""),
             "run": counts["passed"] + counts["failed"] + counts["unsupported"],
             **{outcome: counts[outcome] for outcome in ("passed", "failed", "unsupported", "skipped")},
             "passed_reference_only": len(reference_only),
-            "tests_with_backward_checks_not_run": len(with_backward),
+            **check_counts(every_check),
             "tests": by_test,
         }
+
+
+def check_counts(checks: list[Check]) -> dict[str, Any]:
+    """The forward and the backward checks among `checks` that passed and failed (the warning-only
+    failures among the failed, counted apart too)."""
+    counts: dict[str, Any] = {}
+    for kind, backward in (("forward", False), ("backward", True)):
+        own = [c for c in checks if c.backward == backward]
+        failed = [c for c in own if c.failure]
+        counts[f"{kind}_checks"] = {
+            "passed": len(own) - len(failed),
+            "failed": len(failed),
+            "failed_warning_only": sum(c.warning_only for c in failed),
+        }
+    return counts
+
+
+def describe_checks(counts: dict[str, Any]) -> str:
+    """'forward checks: N passed, M failed; backward checks: ...' of `check_counts`."""
+    parts = []
+    for kind in ("forward", "backward"):
+        c = counts[f"{kind}_checks"]
+        warned = f" ({c['failed_warning_only']} warning only)" if c["failed_warning_only"] else ""
+        parts.append(f"{kind} checks: {c['passed']} passed, {c['failed']} failed{warned}")
+    return "; ".join(parts)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -159,6 +236,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     item.config.stash[SHIM].current = item.nodeid
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    result = yield
+    failures = item.config.stash[SHIM].failed_checks(item.nodeid)
+    if failures:
+        raise AssertionError(f"{len(failures)} {CHECKS_FAILED} " + "; ".join(failures))
+    return result
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
     outcome = yield
@@ -170,14 +256,16 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     summary = shim.summary()
     write = terminalreporter.write_line
     write("")
-    write(f"fla's KDA tests on kda_impl ({summary['kernel']}):")
+    write(f"fla's KDA tests on kda_impl ({summary['kernel']}; backward: {summary['backward_by']}):")
     outcomes = ("run", "passed", "failed", "unsupported", "skipped")
-    write("  " + ", ".join(f"{key} {summary[key]}" for key in outcomes))
+    write("  tests: " + ", ".join(f"{key} {summary[key]}" for key in outcomes))
     write(f"  passed without a kda_impl call (fla's references only): {summary['passed_reference_only']}")
-    backward = summary["tests_with_backward_checks_not_run"]
-    write(f"  tests whose backward checks were not run (forward only): {backward}")
+    write(f"  {describe_checks(summary)}")
     for test, result in summary["tests"].items():
-        if result["outcome"] != "passed":
-            write(f"  {result['outcome']:>11} {test}: {result['reason'][:200]}")
+        shown = result["reason"] and CHECKS_FAILED not in result["reason"]  # else the lines below say it
+        reason = f": {result['reason'][:200]}" if shown else ""
+        write(f"  {result['outcome']:>11} {test} ({describe_checks(result)}){reason}")
+        for failure in result["failed_checks"]:
+            write(f"{'':>14}{failure}")
     if shim.report:
         Path(shim.report).write_text(json.dumps(summary, indent=1) + "\n")
