@@ -63,11 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
     print(f"kda_impl chunk kernel vjp, fp32, T={args.tokens} H={args.heads} D={args.dim}, {jax.devices()[0]}")
     if memory is not None:
-        buffers = memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
-        print(
-            f"XLA buffers: {buffers / GIB:.2f} GiB (arguments {memory.argument_size_in_bytes / GIB:.2f}, outputs "
-            f"{memory.output_size_in_bytes / GIB:.2f}, temporaries {memory.temp_size_in_bytes / GIB:.2f})"
-        )
+        parts = {
+            "arguments": memory.argument_size_in_bytes,
+            "outputs": memory.output_size_in_bytes,
+            "temporaries": memory.temp_size_in_bytes,
+        }
+        listed = ", ".join(f"{name} {size / GIB:.2f}" for name, size in parts.items())
+        print(f"XLA buffers: {sum(parts.values()) / GIB:.2f} GiB ({listed})")
     print(f"peak resident memory of the process: {peak / GIB:.2f} GiB")
     print(f"compile {compile_s:.1f} s, run {run_s:.1f} s; gradients finite: {finite}")
     return 0 if finite else 1
