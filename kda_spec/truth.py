@@ -62,6 +62,7 @@ def summation_scale(total: np.ndarray, squares: np.ndarray, terms: int) -> np.nd
     k = float(terms)
     return np.sqrt(total * total * k / 3 + np.maximum(0.0, squares - total * total / k) * k / 2)
 
+
 IMPLEMENTATION = (
     "kda_spec.truth: the layer's math re-implemented in numpy float64 (projections, causal short conv, "
     "gate, beta, l2norm, token-by-token delta rule, gated RMSNorm, o_proj), independent of the reference"
