@@ -1,4 +1,5 @@
-"""`make bench`: how many cases a minute `conformance search` judges on kda_impl, mini preset, fp32.
+"""`make bench`: how many cases a minute `conformance search` judges on kda_impl, mini preset (both
+families), fp32.
 
 One judge (its adapters, so their compiled buckets, kept), first a warm-up search of `--warmup` seconds
 that compiles the shape buckets, then the measured search of `--budget` seconds from another seed: the
@@ -12,30 +13,38 @@ from __future__ import annotations
 import argparse
 import os
 
+from hypothesis import strategies as st
+
 from conformance.adapter import KERNEL_CHOICES
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
 from conformance.policy import TolerancePolicy
 from conformance.runtime.compile_cache import enable_compile_cache
 from conformance.runtime.cpu_compile import prefer_fast_cpu_compile
-from conformance.search.command import weight_sets
 from conformance.search.explore import explore
 from conformance.search.judge import Judge
-from conformance.search.space import case_strategy
+from conformance.search.space import SearchCase, case_strategy
+from conformance.search.weight_sets import weight_sets
 
 GOAL_PER_MINUTE = 60  # cases a minute: the search's speed goal at the mini preset in fp32 (docs/search.md)
 
 
-def main() -> None:
+def searched(kernel: str) -> tuple[Judge, st.SearchStrategy[SearchCase]]:
+    """The judge and the case space of `conformance search --impl kda_impl --kernel KERNEL` (its defaults:
+    mini, seed-0 weights of both families, fp32)."""
+    sets = weight_sets(None, "mini", 0, KDAImplAdapter.FAMILIES)
+    judge = Judge(KDAImplAdapter, kernel, {}, TolerancePolicy.load(), sets)
+    return judge, case_strategy(("fp32",), list(sets))
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=float, default=120.0)
     parser.add_argument("--warmup", type=float, default=60.0)
     parser.add_argument("--kernel", default="auto", choices=KERNEL_CHOICES)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     prefer_fast_cpu_compile()
     enable_compile_cache()
-    config, weights, sources = weight_sets(None, "mini", 0)
-    judge = Judge(KDAImplAdapter, args.kernel, {}, TolerancePolicy.load(), config, weights, sources)
-    cases = case_strategy(("fp32",), list(weights))
+    judge, cases = searched(args.kernel)
     warm = explore(judge.judge, cases, budget_s=args.warmup, seed=1)
     measured = explore(judge.judge, cases, budget_s=args.budget, seed=2)
     load = " ".join(f"{value:.2f}" for value in os.getloadavg())

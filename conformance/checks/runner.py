@@ -182,7 +182,8 @@ class CheckRunner:
         try:
             truth_value, source = truth() if truth else self.truth(case, spec, sides)
         except NoTruth as missing:
-            return CheckResult(sides, judge(measured, mode, no_truth=str(missing)))
+            no_contract = str(missing) if mode == CONTRACT_MODE else None  # the model is judged by the truth
+            return CheckResult(sides, judge(measured, mode, no_truth=str(missing), no_contract=no_contract))
         limits = self.relative_limits(case, spec, measured.tolerance, truth_value, sides)
         attribution = attribute(
             sides.actual, sides.expected, truth_value, source, measured.tolerance, limits,

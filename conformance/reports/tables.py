@@ -104,8 +104,9 @@ ATTRIBUTION_NOTE = (
     "Each compared check's two sides against the float64 truth (the dump's, or for the kernels a "
     "float64 recurrence on the dumped inputs): margin under the check's tolerance and nRMSE of the "
     "implementation and of the reference, and who the difference comes from: `impl`, `reference`, "
-    "`both`, or `conditioning` (equally close to the truth; docs/tolerance-policy.md). `n/a`: the dump "
-    "has no truth for it, and the absolute gate alone decides. Gate: which gate decided the check. "
+    "`both`, or `conditioning` (equally close to the truth; docs/tolerance-policy.md). `n/a`: no truth "
+    "applies: the dump has none for it, and the absolute gate alone decides, or the check is bit-exact "
+    "(causality). Gate: which gate decided the check. "
     "Impl vs contract (bf16): nRMSE / gain of the implementation against the float64 model of the "
     "bf16 precision contract's roundings, where the gate `relative+contract` asks for it."
 )

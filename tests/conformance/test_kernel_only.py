@@ -25,7 +25,16 @@ NO_CHECKPOINTS = (
     "adapter 'numpy kernels only' implements no checkpoint-kernel protocol "
     "(conformance.adapter.CheckpointKernelAdapter)"
 )
-KERNEL_CHECKS = {kind.name() for kind in kinds.KERNEL_KINDS}
+NO_GRADIENTS = (
+    "adapter 'numpy kernels only' implements no gradient protocol (conformance.adapter.GradientAdapter)"
+)
+# what a kernel-only adapter passes: the kernel checks, and the chunk kernel's causality
+KERNEL_CHECKS = {kind.name() for kind in kinds.KERNEL_KINDS} | {kinds.KERNEL_CHUNK_CAUSAL.name()}
+GRADIENT_CHECKS = {
+    *(kinds.Check(kinds.KERNEL_CHUNK_GRAD, name).name for name in kinds.GRADIENT_INPUTS),
+    kinds.KERNEL_CHUNK_GRAD_H0.name(),
+    kinds.KERNEL_CHUNK_GRAD_CAUSAL.name(),
+}
 RAW_GATE_CHECKS = {kind.name() for kind in kinds.RAW_GATE_KERNEL_KINDS}
 CHECKPOINT_CHECK = kinds.KERNEL_CHUNK_CHECKPOINTS.name()
 
@@ -56,7 +65,7 @@ def test_a_kernel_only_run_passes_its_kernels_and_skips_the_rest_with_the_reason
     others = {name: check for name, check in checks.items() if name not in KERNEL_CHECKS}
     assert {check["status"] for check in others.values()} == {"skipped"}
     groups = {kinds.parse_check(name).kind.group for name in others}
-    assert {"layer", "intermediate", "decode", "chunked", kinds.SERVING_GROUP} <= groups
+    assert {"layer", "intermediate", "decode", "chunked", kinds.TRAINING_GROUP, kinds.SERVING_GROUP} <= groups
     for name, check in others.items():
         kind = kinds.parse_check(name).kind
         if kind.group == kinds.SERVING_GROUP:
@@ -65,6 +74,8 @@ def test_a_kernel_only_run_passes_its_kernels_and_skips_the_rest_with_the_reason
             assert check["message"] == NO_RAW_GATE, check
         elif name == CHECKPOINT_CHECK:
             assert check["message"] == NO_CHECKPOINTS, check
+        elif name in GRADIENT_CHECKS:
+            assert check["message"] == NO_GRADIENTS, check
         else:
             assert check["message"] == NO_LAYER, check
 
@@ -76,10 +87,11 @@ def test_the_plan_summary_lists_the_skips_before_any_check_runs(
     lines = result.stdout.splitlines()
     planned, skipped = len(report["checks"]), report["summary"]["skipped"]
     header = lines.index(f"plan: {planned} checks, {skipped} skipped before they run:")
-    reasons = lines[header + 1 : header + 6]
+    reasons = lines[header + 1 : header + 7]
     assert any(line.endswith(f" skipped: {NO_LAYER}") for line in reasons), reasons
     assert any(line.endswith(f"{len(RAW_GATE_CHECKS)} skipped: {NO_RAW_GATE}") for line in reasons), reasons
     assert any(line.endswith(f"1 skipped: {NO_CHECKPOINTS}") for line in reasons), reasons
+    assert any(line.endswith(f"{len(GRADIENT_CHECKS)} skipped: {NO_GRADIENTS}") for line in reasons), reasons
     assert any(NO_SERVING in line for line in reasons), reasons
     assert sum(int(line.split()[0]) for line in reasons if line.startswith("  ")) == skipped
     first_check = next(i for i, line in enumerate(lines) if "test_conformance.py" in line)
@@ -89,5 +101,5 @@ def test_the_plan_summary_lists_the_skips_before_any_check_runs(
 def test_a_kernel_only_run_of_layer_checks_alone_checked_nothing() -> None:
     result = _run("--cases", "T8", "-k", "layer")
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "error: nothing was checked: all 3 checks were skipped" in result.stderr, result.stderr
+    assert "error: nothing was checked: all 4 checks were skipped" in result.stderr, result.stderr
     assert NO_LAYER in result.stderr

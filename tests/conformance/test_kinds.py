@@ -58,4 +58,4 @@ def test_a_kind_refuses_the_wrong_argument() -> None:
 
 
 def test_the_summary_columns_are_the_kinds_groups_in_order() -> None:
-    assert kinds.GROUPS == ("layer", "kernel", "intermediate", "decode", "chunked", "serving")
+    assert kinds.GROUPS == ("layer", "kernel", "training", "intermediate", "decode", "chunked", "serving")
