@@ -240,18 +240,15 @@ def delta_rule_vjp(
     state = np.array(state, dtype=q.dtype)
     for t in range(tokens):
         if t % block == 0:
-            starts.append(state.copy())
-        state = state * decay[t]
-        state += k[t][:, :, None] * (beta[t][:, None] * (v[t] - (k[t][:, None, :] @ state)[:, 0]))[:, None, :]
+            starts.append(state)
+        _, _, state = _token_update(state, k[t], v[t], decay[t], beta[t])
     grads = {name: np.zeros_like(x) for name, x in zip(GRADIENT_NAMES[:5], (q, k, v, g, beta))}
     d_state = np.array(dstate, dtype=q.dtype)
     for first in reversed(range(0, tokens, block)):
         decayed, updates, states = [], [], []  # per token of the block: P, u, S'
         state = starts[first // block]
         for t in range(first, min(first + block, tokens)):
-            p = state * decay[t]
-            u = v[t] - (k[t][:, None, :] @ p)[:, 0]
-            state = p + k[t][:, :, None] * (beta[t][:, None] * u)[:, None, :]
+            p, u, state = _token_update(state, k[t], v[t], decay[t], beta[t])
             decayed.append(p)
             updates.append(u)
             states.append(state)
@@ -271,6 +268,20 @@ def delta_rule_vjp(
             grads["dg"][t] = np.sum(dp * p, axis=-1)
             d_state = decay[t] * dp
     return {**grads, "dh0": d_state}
+
+
+def _token_update(
+    state: np.ndarray,  # [H, D_k, D_v] S, the state before the token
+    k: np.ndarray,  # [H, D_k] the token's
+    v: np.ndarray,  # [H, D_v]
+    decay: np.ndarray,  # [H, D_k, 1] exp(g_t)
+    beta: np.ndarray,  # [H]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One token of `delta_rule` as `delta_rule_vjp` keeps it: (P = exp(g_t) ⊙ S, u = v_t - Pᵀk_t, the state
+    after the token P + β_t k_t uᵀ), rounded as `delta_rule` rounds them, new arrays (S unchanged)."""
+    p = state * decay
+    u = v - (k[:, None, :] @ p)[:, 0]
+    return p, u, p + k[:, :, None] * (beta[:, None] * u)[:, None, :]
 
 
 def packed_delta_rule_vjp(

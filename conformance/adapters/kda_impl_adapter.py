@@ -338,8 +338,7 @@ class KDAImplAdapter(
                 "kda_impl's Pallas kernels have no backward; its plain-JAX chunk kernel has"
             )
         tokens, num_seqs = q.shape[0], len(cu_seqlens) - 1
-        padded_tokens = token_bucket(tokens, KERNEL_MIN_TOKEN_BUCKET)
-        padded_seqs = bucket(num_seqs + 1, MIN_REQUEST_BUCKET)
+        padded_tokens, padded_seqs = kernel_buckets(tokens, num_seqs)
         do = _padded(np.asarray(do, np.float32), padded_tokens)[None]
         dht = _padded(np.asarray(dht, np.float32), padded_seqs)
         grads = self._on_buckets(
@@ -397,8 +396,7 @@ class KDAImplAdapter(
         # padding sequence, the other padding sequences are empty; their results are dropped. A missing
         # initial state is passed as zeros (what the kernel starts from without one): one compilation
         # serves both.
-        padded_tokens = token_bucket(tokens, KERNEL_MIN_TOKEN_BUCKET)
-        padded_seqs = bucket(num_seqs + 1, MIN_REQUEST_BUCKET)
+        padded_tokens, padded_seqs = kernel_buckets(tokens, num_seqs)
         init = np.zeros((num_seqs, *q.shape[1:], v.shape[-1]), np.float32)
         if initial_state is not None:
             init = np.asarray(initial_state, np.float32)
@@ -444,6 +442,13 @@ def jitted_kernel(
 # padding moves a few roundings: on golden 13 of 932 checks' numbers (two varlen cases of 64 tokens),
 # the largest a gate ratio from 0.103 to 0.106, no check's status.
 KERNEL_MIN_TOKEN_BUCKET = MIN_TOKEN_BUCKET * 16
+
+
+def kernel_buckets(tokens: int, num_seqs: int) -> tuple[int, int]:
+    """The tokens and sequences a kernel call of `tokens` tokens in `num_seqs` sequences is padded to
+    (`_on_buckets`; a vjp's cotangents alike): at least `KERNEL_MIN_TOKEN_BUCKET` tokens, and room for one
+    padding sequence."""
+    return token_bucket(tokens, KERNEL_MIN_TOKEN_BUCKET), bucket(num_seqs + 1, MIN_REQUEST_BUCKET)
 
 
 @functools.cache

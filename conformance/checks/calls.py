@@ -215,11 +215,12 @@ class ImplementationCalls:
     ) -> dict[str, np.ndarray]:
         """The chunk kernel's gradients (`chunk_kernel_vjp`, by `KERNEL_GRADIENTS` name) on the dumped q,
         k, v, g, beta of this run, for the `cotangents` (do, dht) of its output and final states."""
-        stages = self.dumped_kernel_inputs(case, dtype)
-        arguments = kernel_arguments(case, stages)
-        return self._results.get(
-            ("kernel vjp", dtype), lambda: self.run_kernel_vjp(case, dtype, arguments, cotangents)
-        )
+
+        def run() -> dict[str, np.ndarray]:
+            arguments = kernel_arguments(case, self.dumped_kernel_inputs(case, dtype))
+            return self.run_kernel_vjp(case, dtype, arguments, cotangents)
+
+        return self._results.get(("kernel vjp", dtype), run)
 
     def run_kernel_vjp(
         self,

@@ -18,6 +18,7 @@ import functools
 import re
 
 from kda_spec import dump_format as fmt
+from kda_spec.truth import GRADIENT_NAMES
 
 OUT_AXES = ("token", "channel")
 HEAD_AXES = ("token", "head", "channel")
@@ -40,7 +41,8 @@ RAW_GATE_KERNEL_TRUTH = "kernel-raw-gate"
 CHECKPOINT_KERNEL_TRUTH = "kernel-checkpoints"
 # the float64 recurrence on the implementation's own kernel inputs: the q, k, v, g, beta its layer exposes
 OWN_INPUTS_TRUTH = "own-kernel-inputs"
-# the float64 recurrence's vector-Jacobian product on the dumped kernel inputs (checks/gradient_truth.py)
+# the float64 recurrence's vector-Jacobian product on the dumped kernel inputs (`kda_spec.truth.
+# packed_delta_rule_vjp`, by `CheckRunner.kernel_gradients`)
 GRADIENT_TRUTH = "kernel-gradients"
 # The chunk size the checkpoint check asks for: fla's default, at which fla and vLLM return their states.
 CHECKPOINT_CHUNK_SIZE = 64
@@ -49,7 +51,7 @@ SERVING_GROUP = "serving"
 TRAINING_GROUP = "training"  # what training needs: the gradients, causality
 # The chunk kernel's per-token inputs whose gradients the `kernel-chunk-grad-{arg}` checks judge (the
 # argument names the input; the gradient is `d<input>`, as `adapter.KERNEL_GRADIENTS` names it).
-GRADIENT_INPUTS = ("q", "k", "v", "g", "beta")
+GRADIENT_INPUTS = tuple(name.removeprefix("d") for name in GRADIENT_NAMES if name != "dh0")
 
 
 @dataclasses.dataclass(frozen=True)
