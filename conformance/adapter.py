@@ -1,6 +1,6 @@
 """The adapter: how the suite drives an implementation under test (docs/adapters.md has a skeleton).
 
-An adapter is a subclass of `KDAAdapter` that declares one or more of six protocols, as bases, and
+An adapter is a subclass of `KDAAdapter` that declares one or more of seven protocols, as bases, and
 defines every method of each protocol it declares:
 
 - `LayerAdapter`: `layer_extend`, `layer_decode` — the checks `layer`, `layer-state`, the intermediates,
@@ -12,6 +12,8 @@ defines every method of each protocol it declares:
   check: the chunked kernel's state entering every chunk (fla's `return_intermediate_states`);
 - `GradientAdapter` (optional): `chunk_kernel_vjp` — the `kernel-chunk-grad-*` checks and
   `kernel-chunk-grad-causal`: the chunked kernel's vector-Jacobian product, training's backward;
+- `LayerGradientAdapter` (optional): `layer_vjp` — the `layer-grad-*` checks and `layer-grad-causal`: the
+  layer's vector-Jacobian product, of its input, initial states and weights;
 - `ServingAdapter`: `serving_open`, `serving_alloc`, `serving_free`, `serving_forward`, `serving_state`
   — the `serving-*` checks (those that compare a request with its run alone need the layer too) —
   and its optional verbs `serving_copy`, `serving_load`, `serving_accept` (with a forward of mode
@@ -94,6 +96,7 @@ from kda_spec.config import KDAConfig
 from kda_spec.dump_format import DTYPES
 from kda_spec.extras import missing_extra
 from kda_spec.families import FAMILIES, KIMI_LINEAR
+from kda_spec.layer_vjp import HIDDEN_STATES_GRADIENT, INITIAL_STATE_GRADIENT
 from kda_spec.truth import GRADIENT_NAMES
 
 
@@ -127,7 +130,8 @@ class LayerResult:
 class KDAAdapter:
     """The base of every adapter: its construction, options and report facts. Its calls are those of
     the protocols it declares (`LayerAdapter`, `KernelAdapter`, `RawGateKernelAdapter`,
-    `CheckpointKernelAdapter`, `ServingAdapter`); the module docstring is the contract."""
+    `CheckpointKernelAdapter`, `GradientAdapter`, `LayerGradientAdapter`, `ServingAdapter`); the module
+    docstring is the contract."""
 
     #: A short name for reports.
     name: str = "unnamed"
@@ -347,6 +351,36 @@ class GradientAdapter(KDAAdapter, abc.ABC):
         """
 
 
+# The gradients `LayerGradientAdapter.layer_vjp` returns beside one per weight: of the hidden states and of
+# the initial recurrent states.
+LAYER_INPUT_GRADIENTS = (HIDDEN_STATES_GRADIENT, INITIAL_STATE_GRADIENT)
+
+
+class LayerGradientAdapter(KDAAdapter, abc.ABC):
+    """The layer gradient protocol: the layer's backward, as training calls it (the layer under torch
+    autograd, a JAX layer's `jax.vjp` or `nnx.grad`), of its input, initial states and weights."""
+
+    @abc.abstractmethod
+    def layer_vjp(
+        self,
+        hidden_states: np.ndarray,
+        cu_seqlens: np.ndarray,
+        initial_state: np.ndarray | None,
+        dout: np.ndarray,
+        dht: np.ndarray,
+    ) -> dict[str, np.ndarray]:
+        """The layer's vector-Jacobian product on a packed batch of N fresh sequences (conv states zeros):
+        the gradients of `sum(out * dout) + sum(final_state * dht)`.
+
+        hidden_states, cu_seqlens, initial_state as for `LayerAdapter.layer_extend`; dout [T, hidden] and
+        dht [N, H, K, V] float32: the cotangents of the output and of the final recurrent states.
+        Returns float32 arrays by name: `hidden_states` [T, hidden], `initial_state` [N, H, K, V] (of the
+        initial states, of the zero states when there were none), and one per weight under the weight's
+        own name and shape (`weights`' keys: the family's HF names, torch layout), the gradient of that
+        weight as the run holds it (a bf16 run: of its bf16 copy).
+        """
+
+
 class ServingAdapter(KDAAdapter, abc.ABC):
     """The serving protocol (docs/serving.md): the implementation's own state pool, driven as a
     scheduler drives it."""
@@ -421,7 +455,7 @@ def _optional_verb(adapter: KDAAdapter, call: str) -> str:
 #: The protocols, in the order reasons name them; a protocol `FooBarAdapter` is named "foo-bar".
 PROTOCOLS: tuple[type[KDAAdapter], ...] = (
     LayerAdapter, KernelAdapter, RawGateKernelAdapter, CheckpointKernelAdapter, GradientAdapter,
-    ServingAdapter,
+    LayerGradientAdapter, ServingAdapter,
 )  # fmt: skip
 
 

@@ -20,7 +20,13 @@ from kda_impl.models.kimi_linear import PARAM_SPECS, KimiDeltaAttention
 from kda_impl.parallel.mesh import put
 from kda_spec.checkpoint import read_checkpoint_layer
 from kda_spec.config import KDAConfig
-from kda_spec.families import CANONICAL_CONVS, FUSED_CONV, canonical_weights
+from kda_spec.families import (
+    CANONICAL_CONVS,
+    FUSED_CONV,
+    canonical_weight_shapes,
+    canonical_weights,
+    family_weights,
+)
 from kda_spec.weight_names import hf_weight_shapes, layer_prefix
 
 # torch layout -> JAX layout (then reshaped to the parameter's shape).
@@ -107,6 +113,34 @@ def _parameter_values(
         taps = np.stack([_conv_taps(np.asarray(canonical[name])) for name in CANONICAL_CONVS], axis=1)
         values.append((("conv1d",), taps, CANONICAL_CONVS[0] in kept))
     return values
+
+
+def hf_weights_of(config: KDAConfig, params: nnx.State) -> dict[str, np.ndarray]:
+    """The HF-named weights (`config`'s family's names, torch layout, float32 numpy) of a
+    `KimiDeltaAttention`'s parameters `params` (`nnx.split`'s state): the inverse of `load_layer_weights`'
+    layout. The layout maps are linear, so a gradient state of the parameters (`jax.vjp` of the layer with
+    respect to them) maps to the gradients of the HF weights the same way."""
+
+    def value(path: tuple[str, ...]) -> np.ndarray:
+        node = params
+        for attr in path:
+            node = node[attr]
+        return np.asarray(node[...], np.float32)
+
+    shapes = canonical_weight_shapes(config)
+    fused = config.kda_family.conv == FUSED_CONV
+    canonical = {
+        name: np.asarray(value(path).T if to_jax is _transposed else value(path)).reshape(shapes[name])
+        for name, (path, to_jax) in _PARAM_MAP.items()
+        if to_jax is not _conv_taps
+    }
+    taps = (
+        [value(("conv1d",))[:, i] for i in range(len(CANONICAL_CONVS))]
+        if fused
+        else [value((name.removesuffix(".weight"),)) for name in CANONICAL_CONVS]
+    )  # each [W, P]
+    canonical.update({name: tap.T[:, None, :] for name, tap in zip(CANONICAL_CONVS, taps)})
+    return family_weights(config, canonical)
 
 
 def layer_from_hf_weights(

@@ -123,25 +123,32 @@ def raw_gate_decay(
     return forget_gate(g_raw + dt_bias.reshape(config.num_heads, config.head_dim), a_log, config)
 
 
+def causal_conv(u: np.ndarray, weight: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """The causal depthwise conv of `u` [T, C] with `weight` [C, 1, W] (before its silu), each sequence of
+    `spans` from a zero conv state: `y[t] = sum_j weight[:, 0, j] * u[t - (W-1) + j]`."""
+    width = weight.shape[-1]
+    taps = weight[:, 0, :]
+    y = np.empty_like(u)
+    for start, end in spans:
+        padded = np.concatenate([np.zeros((width - 1, u.shape[1]), u.dtype), u[start:end]])
+        y[start:end] = sum(taps[:, j] * padded[j : j + end - start] for j in range(width))
+    return y
+
+
 def short_conv(
     u: np.ndarray,
     weight: np.ndarray,
     spans: list[tuple[int, int]],
     reduction_error: ReductionError | None = None,
 ) -> np.ndarray:
-    """silu of the causal depthwise conv of `u` [T, C] with `weight` [C, 1, W], each sequence from a zero
-    conv state: `y[t] = sum_j weight[:, 0, j] * u[t - (W-1) + j]`; `reduction_error` (`layer_truth`) is
-    added to each sum before the silu."""
-    width = weight.shape[-1]
-    taps = weight[:, 0, :]
-    y = np.empty_like(u)
-    for start, end in spans:
-        padded = np.concatenate([np.zeros((width - 1, u.shape[1]), u.dtype), u[start:end]])
-        terms = [taps[:, j] * padded[j : j + end - start] for j in range(width)]
-        y[start:end] = sum(terms)
-        if reduction_error is not None:
-            squares = sum(term * term for term in terms)
-            y[start:end] += reduction_error(summation_scale(y[start:end], squares, width))
+    """silu of `causal_conv(u [T, C], weight [C, 1, W], spans)`; `reduction_error` (`layer_truth`) is added
+    to each sum before the silu, given its terms' squares (the same conv of u² with weight²)."""
+    y = causal_conv(u, weight, spans)
+    if reduction_error is not None:
+        squares = causal_conv(u * u, weight * weight, spans)
+        for start, end in spans:  # one draw per sequence, in order
+            scale = summation_scale(y[start:end], squares[start:end], weight.shape[-1])
+            y[start:end] += reduction_error(scale)
     return y * sigmoid(y)
 
 

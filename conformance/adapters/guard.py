@@ -30,6 +30,7 @@ import numpy as np
 
 from conformance.adapter import (
     KERNEL_GRADIENTS,
+    LAYER_INPUT_GRADIENTS,
     KDAAdapter,
     LayerResult,
     own_traceback,
@@ -268,6 +269,25 @@ def checked_gradients(value: Any, call: str, shapes: CallShapes) -> dict[str, np
         name: checked_array(value[name], call, name, shapes.of(rule.get(name, "o_kda_chunk")))
         for name in KERNEL_GRADIENTS
     }
+
+
+def checked_layer_gradients(
+    value: Any, call: str, shapes: CallShapes, weight_shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, np.ndarray]:
+    """A layer vjp call's gradients by name, each checked (`checked_array`): `hidden_states` [T, hidden],
+    `initial_state` [N, H, K, V], and every weight of `weight_shapes` (its name → its shape)."""
+    names = (*LAYER_INPUT_GRADIENTS, *weight_shapes)
+    if not isinstance(value, Mapping) or set(value) != set(names):
+        given = sorted(value) if isinstance(value, Mapping) else type(value).__name__
+        raise ImplementationFault(
+            "contract", call, f"must return a dict of the gradients {list(names)}, got {given}"
+        )
+    expected = {
+        **weight_shapes,
+        LAYER_INPUT_GRADIENTS[0]: shapes.of("hidden_states"),
+        LAYER_INPUT_GRADIENTS[1]: shapes.of("recurrent_state"),
+    }
+    return {name: checked_array(value[name], call, name, expected[name]) for name in names}
 
 
 # ---------------------------------------------------------------------------------------------- time

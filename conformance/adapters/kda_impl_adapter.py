@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from conformance.adapter import (
     KERNEL_GRADIENTS,
@@ -28,6 +29,7 @@ from conformance.adapter import (
     GradientAdapter,
     KernelAdapter,
     LayerAdapter,
+    LayerGradientAdapter,
     LayerResult,
     RawGateKernelAdapter,
     ServingAdapter,
@@ -45,10 +47,11 @@ from kda_impl.model_executor.forward_batch import (
     make_dp_forward_batch,
     seq_lens_from_cu_seqlens,
 )
-from kda_impl.models.kimi_linear import KimiDeltaAttention, jit_forward
+from kda_impl.models.kimi_linear import KimiDeltaAttention, jit_forward, jit_vjp
 from kda_impl.parallel import make_mesh, mesh_sizes
-from kda_impl.weights import layer_from_hf_weights
+from kda_impl.weights import hf_weights_of, layer_from_hf_weights
 from kda_spec.families import FAMILIES
+from kda_spec.layer_vjp import HIDDEN_STATES_GRADIENT, INITIAL_STATE_GRADIENT
 from kda_spec.truth import chunk_starts
 
 RUN_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
@@ -72,6 +75,7 @@ class KDAImplAdapter(
     RawGateKernelAdapter,
     CheckpointKernelAdapter,
     GradientAdapter,
+    LayerGradientAdapter,
     ServingAdapter,
 ):
     """kda_impl under test; `kernel` is 'auto' (the dispatcher's choice), 'naive' or 'pallas'; the options
@@ -101,6 +105,8 @@ class KDAImplAdapter(
         module = self._new_layer(self.weights, "the dump's weights")
         self._backend = self.backend_class(kernel=self._kernel)
         self._forward = jit_forward(module, return_intermediates=True)
+        self._params = nnx.split(module)[1]
+        self._vjp = jit_vjp(module)
         self._pool: RecurrentStatePool | None = None
         self._serving: KDAImplServing | None = None
         # The chunk kernel of the kernel checks returns its state entering every chunk too (fla's
@@ -193,42 +199,19 @@ class KDAImplAdapter(
         seq_lens: np.ndarray,  # [N]
         carry: KDACarry | None,
     ) -> LayerResult:
-        dp, _ = mesh_sizes(self._mesh)
         num_seqs = seq_lens.size
-        ranks = [np.arange(rank, num_seqs, dp) for rank in range(dp)]  # sequences dealt round-robin
-        pool = self._pool_with_room(max(seqs.size for seqs in ranks))
-        slots = [pool.alloc(seqs.size, dp_rank=rank) for rank, seqs in enumerate(ranks)]  # zeroed
         try:
-            batch = make_dp_forward_batch(
-                self._backend,
-                mode,
-                [seq_lens[seqs] for seqs in ranks],
-                [pool.get_recurrent_indices(rank_slots, rank) for rank, rank_slots in enumerate(slots)],
-                num_slots=pool.num_slots,
-                min_tokens=token_bucket(max(int(seq_lens[seqs].sum()) for seqs in ranks)),
-                min_requests=REQUEST_BUCKET,
-            )
-            # Each sequence's pool row, and each token's row of the batch, in the caller's order.
-            pool_rows = np.empty(num_seqs, np.int32)
-            token_rows = np.empty(int(seq_lens.sum()), np.int64)
-            starts = np.cumsum(seq_lens) - seq_lens
-            for rank, seqs in enumerate(ranks):
-                pool_rows[seqs] = pool.rows(slots[rank], rank)
-                for seq, rows in zip(seqs, batch.request_rows(rank, seq_lens[seqs])):
-                    token_rows[starts[seq] : starts[seq] + seq_lens[seq]] = rows
+            batch, pool, slots, pool_rows, token_rows = self._prepared(mode, seq_lens, MIN_TOKEN_BUCKET)
             if carry is not None:
                 carried = _with_states(pool, self._layer_idx, pool_rows, carry.recurrent, carry.conv)
                 pool = carried.with_allocators_of(pool)
-            x = np.zeros((batch.num_tokens, self.config.hidden_size), np.float32)
-            x[token_rows] = hidden_states
+            x = _scattered(hidden_states, token_rows, batch.num_tokens)
             out, pool, intermediates = self._forward(x.astype(self._run_dtype), batch, pool)
             new_carry = KDACarry(*_states_of(pool, self._layer_idx, pool_rows))
         except BaseException:
             self._pool = None  # its buffers may have been donated to the failed call: start afresh
             raise
-        for rank, rank_slots in enumerate(slots):
-            pool.free(rank_slots, rank)
-        self._pool = pool
+        self._release(pool, slots)
         named = {name: _to_numpy(value)[token_rows] for name, value in intermediates.items()}
         named["final_conv_state"] = _to_numpy(new_carry.conv).reshape(num_seqs, self.config.conv_size - 1, -1)
         return LayerResult(
@@ -237,6 +220,79 @@ class KDAImplAdapter(
             carry=new_carry,
             intermediates=named,
         )
+
+    def _prepared(
+        self, mode: ForwardMode, seq_lens: np.ndarray, min_tokens: int
+    ) -> tuple[Any, RecurrentStatePool, list[Any], np.ndarray, np.ndarray]:
+        """A forward batch of N sequences of `seq_lens` (padded to at least `min_tokens` tokens), dealt out
+        round-robin to the data ranks, each on fresh zeroed slots of the adapter's pool: (batch, pool,
+        each rank's slots, each sequence's pool row i32[N], each token's batch row i64[T], in the
+        caller's order). `_release` frees the slots."""
+        dp, _ = mesh_sizes(self._mesh)
+        num_seqs = seq_lens.size
+        ranks = [np.arange(rank, num_seqs, dp) for rank in range(dp)]  # sequences dealt round-robin
+        pool = self._pool_with_room(max(seqs.size for seqs in ranks))
+        slots = [pool.alloc(seqs.size, dp_rank=rank) for rank, seqs in enumerate(ranks)]  # zeroed
+        batch = make_dp_forward_batch(
+            self._backend,
+            mode,
+            [seq_lens[seqs] for seqs in ranks],
+            [pool.get_recurrent_indices(rank_slots, rank) for rank, rank_slots in enumerate(slots)],
+            num_slots=pool.num_slots,
+            min_tokens=token_bucket(max(int(seq_lens[seqs].sum()) for seqs in ranks), min_tokens),
+            min_requests=REQUEST_BUCKET,
+        )
+        pool_rows = np.empty(num_seqs, np.int32)
+        token_rows = np.empty(int(seq_lens.sum()), np.int64)
+        starts = np.cumsum(seq_lens) - seq_lens
+        for rank, seqs in enumerate(ranks):
+            pool_rows[seqs] = pool.rows(slots[rank], rank)
+            for seq, rows in zip(seqs, batch.request_rows(rank, seq_lens[seqs])):
+                token_rows[starts[seq] : starts[seq] + seq_lens[seq]] = rows
+        return batch, pool, slots, pool_rows, token_rows
+
+    def _release(self, pool: RecurrentStatePool, slots: list[Any]) -> None:
+        """Free each rank's `slots` of `pool` and keep it as the adapter's pool."""
+        for rank, rank_slots in enumerate(slots):
+            pool.free(rank_slots, rank)
+        self._pool = pool
+
+    # --- the layer's gradients ------------------------------------------------------------------------
+
+    def layer_vjp(self, hidden_states, cu_seqlens, initial_state, dout, dht):
+        """The layer's gradients by JAX's autodiff of its extend forward (`jit_vjp`), on the batch padded
+        to the kernel calls' token bucket (one compilation serves every case up to 1024 tokens), the
+        cotangents of the padding zeros. kda_impl's Pallas kernels have no backward: with `--kernel
+        pallas` this raises NotImplementedError (the checks skip)."""
+        if self._kernel == "pallas":
+            raise NotImplementedError("kda_impl's Pallas kernels have no backward; its plain-JAX layer has")
+        seq_lens = seq_lens_from_cu_seqlens(cu_seqlens, hidden_states.shape[0])
+        num_seqs = seq_lens.size
+        init = np.zeros((num_seqs, self.config.num_heads, self.config.head_dim, self.config.head_dim))
+        if initial_state is not None:
+            init = initial_state
+        try:
+            batch, pool, slots, pool_rows, token_rows = self._prepared(
+                ForwardMode.EXTEND, seq_lens, KERNEL_MIN_TOKEN_BUCKET
+            )
+            x = _scattered(hidden_states, token_rows, batch.num_tokens).astype(self._run_dtype)
+            # The sequences padded to the request bucket, as the batch's requests are (one compilation
+            # for every N up to it): the padding's rows the dummy slot 0, its states zeros, cotangents zero.
+            padded_seqs = bucket(num_seqs, REQUEST_BUCKET)
+            init, dht = (_padded(np.asarray(a, np.float32), padded_seqs) for a in (init, dht))
+            d_params, dx, d_init = self._vjp(
+                self._params, x, batch, pool, _padded(pool_rows, padded_seqs), init,
+                _scattered(dout, token_rows, batch.num_tokens), dht,
+            )  # fmt: skip
+        except BaseException:
+            self._pool = None  # as `_run`: start afresh
+            raise
+        self._release(pool, slots)
+        return {
+            **hf_weights_of(self.config, d_params),
+            HIDDEN_STATES_GRADIENT: _to_numpy(dx)[token_rows],
+            INITIAL_STATE_GRADIENT: _to_numpy(np.asarray(d_init)[:num_seqs]),
+        }
 
     def _pool_with_room(self, num_seqs: int) -> RecurrentStatePool:
         """The adapter's pool, rebuilt larger (a power of two) when `num_seqs` slots per rank do not fit."""
@@ -501,6 +557,14 @@ def token_bucket(tokens: int, smallest: int = MIN_TOKEN_BUCKET) -> int:
 # traced, `safe_rows` routes rather than checks them.
 _with_states = jax.jit(RecurrentStatePool.set_linear_recurrent_layer_cache, static_argnums=1)
 _states_of = jax.jit(RecurrentStatePool.get_slot_states, static_argnums=1)
+
+
+def _scattered(x: np.ndarray, token_rows: np.ndarray, rows: int) -> np.ndarray:
+    """`x` [T, ...] float32 at its tokens' batch rows `token_rows` of a batch of `rows` rows, zeros
+    elsewhere."""
+    scattered = np.zeros((rows, *x.shape[1:]), np.float32)
+    scattered[token_rows] = x
+    return scattered
 
 
 def _padded(x: np.ndarray, rows: int) -> np.ndarray:

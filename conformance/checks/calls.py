@@ -25,6 +25,7 @@ from conformance.adapters.guard import (
     checked_checkpoints,
     checked_gradients,
     checked_kernel_result,
+    checked_layer_gradients,
     checked_layer_result,
     read_only_weights,
 )
@@ -32,12 +33,13 @@ from conformance.checks import sequences
 from conformance.checks.catalogue import CheckSkipped
 from conformance.checks.kinds import CHECKPOINT_CHUNK_SIZE
 from conformance.checks.memo import Memo
-from conformance.checks.truth import KERNEL_INPUTS
+from conformance.checks.truth import KERNEL_INPUTS, layer_gradient_results
 from conformance.dumps.reader import CaseData, DumpSet
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig
 from kda_spec.families import canonical_weights
 from kda_spec.truth import L2NORM_EPS, chunk_starts
+from kda_spec.weight_names import hf_weight_shapes
 
 
 def l2norm(x: np.ndarray) -> np.ndarray:
@@ -235,6 +237,39 @@ class ImplementationCalls:
         return self._call(
             dtype, "chunk_kernel_vjp", {**arguments, "do": do, "dht": dht}, checked_gradients, shapes
         )
+
+    def layer_vjp_on_dump(
+        self, case: CaseData, dtype: str, cotangents: tuple[np.ndarray, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """The layer's gradients (`layer_vjp`, by check result: `truth.layer_gradient_results`) on the
+        case's hidden states of this run, for the `cotangents` (dout, dht) of its output and final states."""
+        return self._results.get(
+            ("layer vjp", dtype),
+            lambda: self.run_layer_vjp(case, dtype, self.inputs(case, dtype), cotangents),
+        )
+
+    def run_layer_vjp(
+        self,
+        case: CaseData,
+        dtype: str,
+        hidden_states: np.ndarray,  # [T, hidden]
+        cotangents: tuple[np.ndarray, np.ndarray],  # dout [T, hidden], dht [N, H, D, D]
+    ) -> dict[str, np.ndarray]:
+        """`layer_vjp` on `hidden_states` in the case's sequences from its initial states, for the
+        `cotangents`; its gradients by check result."""
+        dout, dht = cotangents
+        arguments = {
+            "hidden_states": hidden_states, "cu_seqlens": case.cu_seqlens,
+            "initial_state": case.initial_state, "dout": dout, "dht": dht,
+        }  # fmt: skip
+        config = self.dumps.config
+        weight_shapes = hf_weight_shapes(config)
+
+        def checked(value: Any, call: str, shapes: CallShapes) -> dict[str, np.ndarray]:
+            return checked_layer_gradients(value, call, shapes, weight_shapes)
+
+        shapes = self._shapes(len(hidden_states), len(case.cu_seqlens) - 1)
+        return layer_gradient_results(self._call(dtype, "layer_vjp", arguments, checked, shapes), config)
 
     def raw_gate_kernel_on_dump(self, case: CaseData, dtype: str, path: str) -> tuple[np.ndarray, np.ndarray]:
         """The chunk or recurrent kernel's raw-gate form on the dumped q, k, v, raw gate and beta of this

@@ -10,7 +10,8 @@ the kernel (the layer) run again:
   P; a masked later row enters as an exact zero);
 - with every cotangent from P on zero (`cotangents_before`: do at positions >= P, and dht of every
   sequence that reaches P), its gradients at the positions before P must be the same to the bit, and
-  those at P and after exactly zero: the loss no longer depends on them.
+  those at P and after exactly zero: the loss no longer depends on them. The layer's are judged by its
+  input's gradient, the one with positions (`layer_gradient_breaks`).
 
 The checks compare masks: 1 where a bit changed (or a gradient from P on is not zero), against zeros.
 """
@@ -64,7 +65,7 @@ def hidden_states_changed_from(hidden_states: np.ndarray, position: int) -> np.n
 
 
 def cotangents_before(
-    do: np.ndarray,  # [T, H, D]
+    do: np.ndarray,  # [T, ...] the per-token cotangent: a kernel's do [T, H, D], the layer's dout [T, hidden]
     dht: np.ndarray,  # [N, H, D, D]
     cu_seqlens: np.ndarray,  # i32[N + 1]
     position: int,
@@ -105,3 +106,13 @@ def gradient_breaks(
             changed = changed[..., None]
         breaks = changed if breaks is None else np.maximum(breaks, changed)
     return breaks
+
+
+def layer_gradient_breaks(
+    before: Mapping[str, np.ndarray],  # a layer vjp's gradients by check result (`dx` [T, hidden], ...)
+    after: Mapping[str, np.ndarray],
+    position: int,
+) -> np.ndarray:
+    """[T, hidden] float32: 1.0 where the layer input's gradient `dx` before `position` changed its bits
+    between `before` and `after`, or where it is not zero from `position` on in `after`."""
+    return gradient_breaks(before, after, position, ("dx",))

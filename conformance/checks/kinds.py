@@ -18,6 +18,8 @@ import functools
 import re
 
 from kda_spec import dump_format as fmt
+from kda_spec.config import get_preset
+from kda_spec.families import canonical_weight_shapes
 from kda_spec.truth import GRADIENT_NAMES
 
 OUT_AXES = ("token", "channel")
@@ -29,6 +31,7 @@ CHECKPOINT_AXES = ("chunk", "head", "key", "value")  # fla's h: every sequence's
 # What the adapter methods a kind calls are (`CheckKind.needs`).
 LAYER_CALLS = ("layer_extend",)
 GRADIENT_CALLS = ("chunk_kernel_vjp",)
+LAYER_GRADIENT_CALLS = ("layer_vjp",)
 DECODE_CALLS = ("layer_extend", "layer_decode")
 SERVING_CALLS = ("serving_open", "serving_alloc", "serving_free", "serving_forward", "serving_state")
 
@@ -44,6 +47,9 @@ OWN_INPUTS_TRUTH = "own-kernel-inputs"
 # the float64 recurrence's vector-Jacobian product on the dumped kernel inputs (`kda_spec.truth.
 # packed_delta_rule_vjp`, by `CheckRunner.kernel_gradients`)
 GRADIENT_TRUTH = "kernel-gradients"
+# the float64 layer's vector-Jacobian product on the dump's inputs and weights (`kda_spec.layer_vjp`, by
+# `CheckRunner.layer_gradients`)
+LAYER_GRADIENT_TRUTH = "layer-gradients"
 # The chunk size the checkpoint check asks for: fla's default, at which fla and vLLM return their states.
 CHECKPOINT_CHUNK_SIZE = 64
 
@@ -52,6 +58,12 @@ TRAINING_GROUP = "training"  # what training needs: the gradients, causality
 # The chunk kernel's per-token inputs whose gradients the `kernel-chunk-grad-{arg}` checks judge (the
 # argument names the input; the gradient is `d<input>`, as `adapter.KERNEL_GRADIENTS` names it).
 GRADIENT_INPUTS = tuple(name.removeprefix("d") for name in GRADIENT_NAMES if name != "dh0")
+# The weights whose gradients the `layer-grad-{arg}` checks judge: every canonical weight (kda_spec.families;
+# a fused conv's gradient judged as its q, k and v thirds), by its name without `.weight`. The names are
+# those of any config: a preset's.
+LAYER_GRADIENT_WEIGHTS = tuple(
+    name.removesuffix(".weight") for name in canonical_weight_shapes(get_preset("mini"))
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +78,8 @@ class CheckKind:
               `checkpoints`.
     axes:     the axes of its two sides (an intermediate: the first as many as the reference has).
     truth:    `LAYER_TRUTH`, `KERNEL_TRUTH`, `RAW_GATE_KERNEL_TRUTH`, `CHECKPOINT_KERNEL_TRUTH`,
-              `OWN_INPUTS_TRUTH`, or None: judged by the absolute gate alone, `no_truth` says why.
+              `OWN_INPUTS_TRUTH`, `GRADIENT_TRUTH`, `LAYER_GRADIENT_TRUTH`, or None: judged by the absolute
+              gate alone, `no_truth` says why.
     contract: whether the bf16 precision contract has a model of its result (no rounding point inside
               the kernels).
     kernel:   a kernel kind's path as in the dump's keys (`chunk`, `fused_recurrent`).
@@ -188,6 +201,15 @@ KERNEL_CHUNK_GRAD = CheckKind(
 KERNEL_CHUNK_GRAD_H0 = dataclasses.replace(
     KERNEL_CHUNK_GRAD, pattern="kernel-chunk-grad-h0", result="dh0", axes=STATE_AXES
 )
+# the layer's vector-Jacobian product on the dump's hidden states and initial states (`LayerGradientAdapter`),
+# the gradient of its input (`-x`), of its initial states (`-h0`), of the weight the argument names, against
+# the float32 run of the float64 truth's code (the dump holds no reference gradients);
+LAYER_GRAD_X = CheckKind(
+    "layer-grad-x", TRAINING_GROUP, LAYER_GRADIENT_CALLS, "dx", OUT_AXES, truth=LAYER_GRADIENT_TRUTH,
+    contract=False,
+)  # fmt: skip
+LAYER_GRAD_H0 = dataclasses.replace(LAYER_GRAD_X, pattern="layer-grad-h0", result="dh0", axes=STATE_AXES)
+LAYER_GRAD_WEIGHT = dataclasses.replace(LAYER_GRAD_X, pattern="layer-grad-{arg}", result="d{arg}", axes=())
 # causality (checks/causality.py): the chunk kernel's outputs before a position P, and (`-grad-`) its
 # gradients with every cotangent from P on zero, against the same before the inputs from P on changed:
 # equal to the bit (and the gradients from P on zero);
@@ -198,9 +220,13 @@ KERNEL_CHUNK_CAUSAL = CheckKind(
 KERNEL_CHUNK_GRAD_CAUSAL = dataclasses.replace(
     KERNEL_CHUNK_CAUSAL, pattern="kernel-chunk-grad-causal", needs=GRADIENT_CALLS, result="gradients before P"
 )
-# and the layer's output before P, after every hidden state from P on changed;
+# and the layer's output before P, after every hidden state from P on changed, and (`-grad-`) its
+# gradients with every cotangent from P on zero;
 LAYER_CAUSAL = dataclasses.replace(
     KERNEL_CHUNK_CAUSAL, pattern="layer-causal", needs=LAYER_CALLS, result="out before P", kernel=None
+)
+LAYER_GRAD_CAUSAL = dataclasses.replace(
+    LAYER_CAUSAL, pattern="layer-grad-causal", needs=LAYER_GRADIENT_CALLS, result="gradients before P"
 )
 # the dump's intermediate of the argument's name;
 INTERMEDIATE = CheckKind("{arg}", "intermediate", LAYER_CALLS, "{arg}", HEAD_AXES)
@@ -260,7 +286,11 @@ KINDS = (
     KERNEL_CHUNK_GRAD_H0,
     KERNEL_CHUNK_CAUSAL,
     KERNEL_CHUNK_GRAD_CAUSAL,
+    LAYER_GRAD_X,
+    LAYER_GRAD_H0,
+    LAYER_GRAD_WEIGHT,
     LAYER_CAUSAL,
+    LAYER_GRAD_CAUSAL,
     INTERMEDIATE,
     DECODE,
     DECODE_SELF,
@@ -295,6 +325,8 @@ def _regex(kind: CheckKind) -> re.Pattern[str]:
     arg = "|".join(map(re.escape, fmt.INTERMEDIATE_KEYS)) if kind is INTERMEDIATE else r"k\d+|all"
     if kind is KERNEL_CHUNK_GRAD:
         arg = "|".join(GRADIENT_INPUTS)
+    if kind is LAYER_GRAD_WEIGHT:
+        arg = "|".join(LAYER_GRADIENT_WEIGHTS)
     if kind.group == SERVING_GROUP:
         arg = r"\S+?"
     return re.compile(re.escape(kind.pattern).replace(re.escape("{arg}"), f"(?P<arg>{arg})"))

@@ -26,6 +26,7 @@ from conformance.checks.causality import (
     cotangents_before,
     gradient_breaks,
     hidden_states_changed_from,
+    layer_gradient_breaks,
     split_positions,
 )
 from conformance.checks.kinds import CheckKind
@@ -42,6 +43,8 @@ from conformance.checks.truth import (
     computed_matmul_model,
     computed_reduction_spread,
     gradient_cotangents,
+    layer_cotangents,
+    layer_gradient_results,
     not_computed,
     recurrence_fp64,
     stored_truth,
@@ -58,12 +61,15 @@ from conformance.judging.reduction import ReductionSpread, reduction_limits, spr
 from conformance.judging.verdict import CONTRACT_MODE
 from conformance.policy import TolerancePolicy
 from kda_spec import dump_format as fmt
+from kda_spec.layer_vjp import layer_vjp
 from kda_spec.truth import (
     l2_normalised,
     packed_chunk_start_states,
     packed_delta_rule,
     packed_delta_rule_vjp,
     raw_gate_decay,
+    run_hidden_states,
+    run_weights,
 )
 
 KERNEL_TRUTH_SOURCE = "float64 recurrence on the dumped kernel inputs"
@@ -74,6 +80,10 @@ OWN_INPUTS_TRUTH_SOURCE = "float64 recurrence on the layer's own q, k, v, g, bet
 GRADIENT_TRUTH_SOURCE = (
     "float64 recurrence's vector-Jacobian product (kda_spec.truth.packed_delta_rule_vjp) on the dumped "
     "kernel inputs, the cotangents seeded by the case"
+)
+LAYER_GRADIENT_TRUTH_SOURCE = (
+    "float64 layer's vector-Jacobian product (kda_spec.layer_vjp) on the dump's inputs and weights, the "
+    "cotangents seeded by the case"
 )
 CHECKPOINT_KERNEL_TRUTH_SOURCE = (
     f"float64 recurrence on the dumped kernel inputs, its state entering every {kinds.CHECKPOINT_CHUNK_SIZE}-"
@@ -218,7 +228,8 @@ class CheckRunner:
         axes = sides.axes
         head_axis = axes.index("head") if "head" in axes else None
         limits = reduction_limits(
-            self.policy.relative[spec.dtype], reduction_of(spec.kind, self.dumps.config), truth, tolerance,
+            self.policy.relative[spec.dtype],
+            reduction_of(spec.kind, self.dumps.config, case.info.total_tokens, spec.of.arg), truth, tolerance,
             head_axis,
         )  # fmt: skip
         spread = self.reduction_spread(case, spec, tolerance, truth, sides) if with_spread else None
@@ -367,6 +378,9 @@ class CheckRunner:
         elif kind.truth == kinds.GRADIENT_TRUTH:
             value = self.kernel_gradients(case, spec.dtype, np.float64)[spec.of.result]
             source = GRADIENT_TRUTH_SOURCE
+        elif kind.truth == kinds.LAYER_GRADIENT_TRUTH:
+            value = self.layer_gradients(case, spec.dtype, np.float64)[spec.of.result]
+            source = LAYER_GRADIENT_TRUTH_SOURCE
         elif kind.truth in (kinds.KERNEL_TRUTH, kinds.RAW_GATE_KERNEL_TRUTH):
             raw_gate = kind.truth == kinds.RAW_GATE_KERNEL_TRUTH
             o, state = self.kernel_truth(case, spec.dtype, raw_gate)
@@ -465,6 +479,32 @@ class CheckRunner:
 
         return self._derived.get(("kernel-gradients", dtype, np.dtype(precision).name), compute)
 
+    def layer_cotangents(self, case: CaseData, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+        """The cotangents (dout, dht) of the case's layer gradient checks in the `dtype` run (`truth.
+        layer_cotangents`)."""
+        return self._derived.get(
+            ("layer cotangents", dtype), lambda: layer_cotangents(case, dtype, self.dumps.config)
+        )
+
+    def layer_gradients(
+        self, case: CaseData, dtype: str, precision: type[np.floating]
+    ) -> dict[str, np.ndarray]:
+        """The layer's gradients in `precision` (`kda_spec.layer_vjp`) on the `dtype` run's inputs and
+        weights of the case, for the case's layer cotangents, by check result (`layer_gradient_results`):
+        float64 is the truth of the layer gradient checks, float32 their fp32 reference (the dump holds no
+        reference's gradients: the same code in float32)."""
+        config = self.dumps.config
+
+        def compute() -> dict[str, np.ndarray]:
+            weights = run_weights(self.dumps.weights(), dtype, config)
+            grads = layer_vjp(
+                weights, run_hidden_states(case.hidden_states, dtype), case.cu_seqlens, case.initial_state,
+                config, *self.layer_cotangents(case, dtype), precision,
+            )  # fmt: skip
+            return layer_gradient_results(grads, config)
+
+        return self._derived.get(("layer-gradients", dtype, np.dtype(precision).name), compute)
+
     def own_inputs_state(self, case: CaseData, dtype: str, precision: type[np.floating]) -> np.ndarray:
         """The final states [N, H, D, D] of the token recurrence in `precision` on the implementation's own
         kernel inputs: the q, k, v, g, beta its layer run of the `dtype` run exposes. float64 (q and k
@@ -551,6 +591,21 @@ def _kernel_gradient(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Si
     return Sides(actual, reference, spec.kind.axes[: reference.ndim])
 
 
+@_sides_of(kinds.LAYER_GRAD_X, kinds.LAYER_GRAD_H0, kinds.LAYER_GRAD_WEIGHT)
+def _layer_gradient(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
+    name, dtype = spec.of.result, spec.dtype
+    if dtype != "fp32":
+        raise CheckSkipped(
+            f"no {dtype} reference of the layer's gradients: the dump holds none, and a {dtype} backward's "
+            "roundings have no float32 stand-in"
+        )
+    if not np.any(runner.layer_gradients(case, dtype, np.float64)[name]):
+        raise CheckSkipped(f"the float64 truth of {name} is zero everywhere: no relative error to judge")
+    reference = runner.layer_gradients(case, dtype, np.float32)[name]
+    actual = runner.calls.layer_vjp_on_dump(case, dtype, runner.layer_cotangents(case, dtype))[name]
+    return Sides(actual, reference, spec.kind.axes)
+
+
 @_sides_of(kinds.KERNEL_CHUNK_CAUSAL)
 def _kernel_causal(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
     dtype = spec.dtype
@@ -590,6 +645,22 @@ def _layer_causal(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides
         changed = hidden_states_changed_from(hidden_states, position)
         after = runner.calls.extend(dtype, changed, case.cu_seqlens, case.initial_state).out
         return changed_bits(before, after, position)
+
+    return _causality(case, breaks, kinds.OUT_AXES)
+
+
+@_sides_of(kinds.LAYER_GRAD_CAUSAL)
+def _layer_gradient_causal(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
+    dtype = spec.dtype
+    hidden_states = runner.calls.inputs(case, dtype)
+    dout, dht = runner.layer_cotangents(case, dtype)
+
+    def breaks(position: int) -> np.ndarray:
+        cotangents = cotangents_before(dout, dht, case.cu_seqlens, position)
+        changed = hidden_states_changed_from(hidden_states, position)
+        before = runner.calls.run_layer_vjp(case, dtype, hidden_states, cotangents)
+        after = runner.calls.run_layer_vjp(case, dtype, changed, cotangents)
+        return layer_gradient_breaks(before, after, position)
 
     return _causality(case, breaks, kinds.OUT_AXES)
 

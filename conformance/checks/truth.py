@@ -24,6 +24,8 @@ from conformance.dumps.reader import CaseData
 from conformance.judging.reduction import FP32_UNIT_ROUNDOFF
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig
+from kda_spec.families import canonical_weights
+from kda_spec.layer_vjp import HIDDEN_STATES_GRADIENT, INITIAL_STATE_GRADIENT
 from kda_spec.truth import (
     ReductionError,
     bf16_contract_rounding,
@@ -192,14 +194,41 @@ def _layer_arguments(
 
 
 def gradient_cotangents(case: CaseData, dtype: str, config: KDAConfig) -> tuple[np.ndarray, np.ndarray]:
-    """The cotangents of a case's gradient checks: do [T, H, D] of the kernel's output and dht [N, H, D, D]
-    of its final states, float32 N(0, 1), seeded by the case id and the run's dtype."""
-    stream = [zlib.crc32(case.info.case_id.encode()), zlib.crc32(dtype.encode())]
-    rng = np.random.default_rng(stream)
+    """The cotangents of a case's kernel gradient checks: do [T, H, D] of the kernel's output and dht
+    [N, H, D, D] of its final states, float32 N(0, 1), seeded by the case id and the run's dtype."""
+    rng = _cotangent_stream(case, dtype)
     heads, dim = config.num_heads, config.head_dim
     do = rng.standard_normal((case.info.total_tokens, heads, dim), np.float32)
     dht = rng.standard_normal((len(case.info.seq_lens), heads, dim, dim), np.float32)
     return do, dht
+
+
+def layer_cotangents(case: CaseData, dtype: str, config: KDAConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The cotangents of a case's layer gradient checks: dout [T, hidden] of the layer's output and dht
+    [N, H, D, D] of its final states, float32 N(0, 1), seeded by the case id, the run's dtype and "layer"
+    (a stream apart from the kernel's)."""
+    rng = _cotangent_stream(case, dtype, "layer")
+    heads, dim = config.num_heads, config.head_dim
+    dout = rng.standard_normal((case.info.total_tokens, config.hidden_size), np.float32)
+    dht = rng.standard_normal((len(case.info.seq_lens), heads, dim, dim), np.float32)
+    return dout, dht
+
+
+def layer_gradient_results(grads: Mapping[str, np.ndarray], config: KDAConfig) -> dict[str, np.ndarray]:
+    """A layer vjp's gradients (`kda_spec.layer_vjp`'s names: the family's weights, `hidden_states`,
+    `initial_state`) by the result names of the layer gradient checks: `dx`, `dh0`, and `d<weight>` for
+    every canonical weight (`kinds.LAYER_GRADIENT_WEIGHTS`; a fused conv's gradient split exactly)."""
+    canonical = canonical_weights(config, grads)
+    return {
+        "dx": grads[HIDDEN_STATES_GRADIENT],
+        "dh0": grads[INITIAL_STATE_GRADIENT],
+        **{f"d{name.removesuffix('.weight')}": value for name, value in canonical.items()},
+    }
+
+
+def _cotangent_stream(case: CaseData, dtype: str, *labels: str) -> np.random.Generator:
+    """The random stream of a case's cotangents in the `dtype` run, apart for each `labels`."""
+    return np.random.default_rng([zlib.crc32(text.encode()) for text in (case.info.case_id, dtype, *labels)])
 
 
 def not_computed(case: CaseData, name: str, what: str) -> NoTruth:

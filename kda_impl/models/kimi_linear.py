@@ -390,3 +390,33 @@ def jit_forward(module: KimiDeltaAttention, *, return_intermediates: bool = Fals
         )
 
     return JittedForward(step, params)
+
+
+def jit_vjp(module: KimiDeltaAttention) -> Callable[..., tuple[nnx.State, jax.Array, jax.Array]]:
+    """`module`'s vector-Jacobian product, jitted: training's backward of one extend forward.
+
+    Returns `vjp(params, hidden_states [T, hidden], forward_batch, pool, slot_rows i32[N], initial_state
+    [N, H, D, D], dout [T, hidden], dht [N, H, D, D]) -> (d params, d hidden_states, d initial_state)`: the
+    gradients of `sum(out * dout) + sum(final_states * dht)`, where the batch's N requests start from
+    `initial_state` in their pool rows `slot_rows` (their conv states as the pool holds them) and
+    `final_states` are those rows' recurrent states after the forward. The pool is read, not donated or
+    changed. `params` is `nnx.split(module)`'s state (`hf_weights_of` names its gradients); the backward
+    is JAX's autodiff of the forward, its chunk kernel's `lax.scan` included (Pallas kernels have none).
+    """
+    graphdef, _ = nnx.split(module)
+    layer_id = module.layer_idx
+
+    @jax.jit
+    def vjp(params, hidden_states, forward_batch, pool, slot_rows, initial_state, dout, dht):
+        def forward(params: nnx.State, hidden_states: jax.Array, initial_state: jax.Array) -> tuple[Any, ...]:
+            _, conv = pool.get_slot_states(layer_id, slot_rows)
+            started = pool.set_linear_recurrent_layer_cache(layer_id, slot_rows, initial_state, conv)
+            layer = nnx.merge(graphdef, params)
+            out, after = layer(hidden_states, forward_batch.positions, forward_batch, started)
+            final, _ = after.get_slot_states(layer_id, slot_rows)
+            return out, final
+
+        (out, final), pullback = jax.vjp(forward, params, hidden_states, initial_state)
+        return pullback((dout.astype(out.dtype), dht.astype(final.dtype)))
+
+    return vjp

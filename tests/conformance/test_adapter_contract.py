@@ -140,6 +140,7 @@ def test_what_a_class_provides_is_the_calls_of_the_protocols_it_declares(
         *RAW_GATE_CALLS,
         *CHECKPOINT_CALLS,
         *kinds.GRADIENT_CALLS,
+        *kinds.LAYER_GRADIENT_CALLS,
         *kinds.SERVING_CALLS,
         *OPTIONAL_SERVING_CALLS,
     }  # fmt: skip
@@ -164,7 +165,7 @@ def test_what_a_class_provides_is_the_calls_of_the_protocols_it_declares(
 def test_the_kinds_need_the_calls_of_the_protocols() -> None:
     assert [protocol_calls(protocol) for protocol in PROTOCOLS] == [
         kinds.DECODE_CALLS, ("chunk_kernel", "recurrent_kernel"), RAW_GATE_CALLS, CHECKPOINT_CALLS,
-        kinds.GRADIENT_CALLS, kinds.SERVING_CALLS,
+        kinds.GRADIENT_CALLS, kinds.LAYER_GRADIENT_CALLS, kinds.SERVING_CALLS,
     ]  # fmt: skip
     every_call = {call for protocol in PROTOCOLS for call in protocol_calls(protocol)}
     assert {call for kind in kinds.KINDS for call in kind.needs} == every_call
@@ -178,7 +179,8 @@ def test_the_kinds_need_the_calls_of_the_protocols() -> None:
             "class 'NoProtocol' implements no adapter protocol: subclass one or more of "
             "conformance.adapter.LayerAdapter, conformance.adapter.KernelAdapter, "
             "conformance.adapter.RawGateKernelAdapter, conformance.adapter.CheckpointKernelAdapter, "
-            "conformance.adapter.GradientAdapter, conformance.adapter.ServingAdapter",
+            "conformance.adapter.GradientAdapter, conformance.adapter.LayerGradientAdapter, "
+            "conformance.adapter.ServingAdapter",
         ),
         (
             "UndeclaredServing",

@@ -28,12 +28,22 @@ NO_CHECKPOINTS = (
 NO_GRADIENTS = (
     "adapter 'numpy kernels only' implements no gradient protocol (conformance.adapter.GradientAdapter)"
 )
+NO_LAYER_GRADIENTS = (
+    "adapter 'numpy kernels only' implements no layer-gradient protocol "
+    "(conformance.adapter.LayerGradientAdapter)"
+)
 # what a kernel-only adapter passes: the kernel checks, and the chunk kernel's causality
 KERNEL_CHECKS = {kind.name() for kind in kinds.KERNEL_KINDS} | {kinds.KERNEL_CHUNK_CAUSAL.name()}
 GRADIENT_CHECKS = {
     *(kinds.Check(kinds.KERNEL_CHUNK_GRAD, name).name for name in kinds.GRADIENT_INPUTS),
     kinds.KERNEL_CHUNK_GRAD_H0.name(),
     kinds.KERNEL_CHUNK_GRAD_CAUSAL.name(),
+}
+LAYER_GRADIENT_CHECKS = {
+    kinds.LAYER_GRAD_X.name(),
+    kinds.LAYER_GRAD_H0.name(),
+    *(kinds.Check(kinds.LAYER_GRAD_WEIGHT, name).name for name in kinds.LAYER_GRADIENT_WEIGHTS),
+    kinds.LAYER_GRAD_CAUSAL.name(),
 }
 RAW_GATE_CHECKS = {kind.name() for kind in kinds.RAW_GATE_KERNEL_KINDS}
 CHECKPOINT_CHECK = kinds.KERNEL_CHUNK_CHECKPOINTS.name()
@@ -76,6 +86,8 @@ def test_a_kernel_only_run_passes_its_kernels_and_skips_the_rest_with_the_reason
             assert check["message"] == NO_CHECKPOINTS, check
         elif name in GRADIENT_CHECKS:
             assert check["message"] == NO_GRADIENTS, check
+        elif name in LAYER_GRADIENT_CHECKS:
+            assert check["message"] == NO_LAYER_GRADIENTS, check
         else:
             assert check["message"] == NO_LAYER, check
 
@@ -87,11 +99,14 @@ def test_the_plan_summary_lists_the_skips_before_any_check_runs(
     lines = result.stdout.splitlines()
     planned, skipped = len(report["checks"]), report["summary"]["skipped"]
     header = lines.index(f"plan: {planned} checks, {skipped} skipped before they run:")
-    reasons = lines[header + 1 : header + 7]
+    reasons = lines[header + 1 : header + 8]
     assert any(line.endswith(f" skipped: {NO_LAYER}") for line in reasons), reasons
     assert any(line.endswith(f"{len(RAW_GATE_CHECKS)} skipped: {NO_RAW_GATE}") for line in reasons), reasons
     assert any(line.endswith(f"1 skipped: {NO_CHECKPOINTS}") for line in reasons), reasons
     assert any(line.endswith(f"{len(GRADIENT_CHECKS)} skipped: {NO_GRADIENTS}") for line in reasons), reasons
+    assert any(
+        line.endswith(f"{len(LAYER_GRADIENT_CHECKS)} skipped: {NO_LAYER_GRADIENTS}") for line in reasons
+    ), reasons
     assert any(NO_SERVING in line for line in reasons), reasons
     assert sum(int(line.split()[0]) for line in reasons if line.startswith("  ")) == skipped
     first_check = next(i for i, line in enumerate(lines) if "test_conformance.py" in line)
@@ -101,5 +116,6 @@ def test_the_plan_summary_lists_the_skips_before_any_check_runs(
 def test_a_kernel_only_run_of_layer_checks_alone_checked_nothing() -> None:
     result = _run("--cases", "T8", "-k", "layer")
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "error: nothing was checked: all 4 checks were skipped" in result.stderr, result.stderr
+    # layer, layer-state, layer-kernel-state, layer-causal, and the 18 layer gradient and causality checks
+    assert "error: nothing was checked: all 22 checks were skipped" in result.stderr, result.stderr
     assert NO_LAYER in result.stderr

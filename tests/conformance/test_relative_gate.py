@@ -93,7 +93,7 @@ def test_the_default_policy_gates_intermediates_and_bf16_relatively_and_fp32_out
             "nrmse_floors = 2e-7",
             r"\[relative.fp32\]: needs .* missing \['nrmse_floor'\], unknown \['nrmse_floors'\]",
         ),
-        ('mode = "absolute+relative"', 'mode = "lenient"', r"mode\[4\] \('\*'\): 'mode' must be one of"),
+        ('mode = "absolute+relative"', 'mode = "lenient"', r"mode\[5\] \('\*'\): 'mode' must be one of"),
         (
             'check = "o_norm"\ndtype = "fp32"\nmode = "relative"\nreason = """',
             'check = "o_norm"\ndtype = "fp32"\nmode = "relative"\nnote = """',

@@ -23,9 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 ATTACKS = "tests.conformance.untrusted_adapters"
 HONEST = "tests.conformance.numpy_adapter:NumpyAdapter"
 CASES = ("T8", "varlen_initstate")
-# the checks of the two cases in fp32, the 8 raw-gate, 2 checkpoint, 12 gradient and 6 causality checks among
-# them
-PLANNED = 72
+# the checks of the two cases in fp32, the 8 raw-gate, 2 checkpoint, 12 kernel gradient, 34 layer gradient
+# and 8 causality checks among them
+PLANNED = 108
 
 
 def _run_args(dumps: Path, impl: str, report_dir: Path, *extra: str) -> list[str]:

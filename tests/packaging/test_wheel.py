@@ -113,7 +113,7 @@ def test_every_command_works_from_the_wheel_beside_sgl_jax_pins(tmp_path: Path) 
     done = folder.run("kda-conform", "run", "--cases", "T8", "T65", "--dtypes", "fp32")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = _conformance_section(done.stdout)
-    assert summary[:2] == ["PASS: 72 checked, 0 skipped", f"dumps: {label}, family kimi-linear"]
+    assert summary[:2] == ["PASS: 108 checked, 0 skipped", f"dumps: {label}, family kimi-linear"]
     report = json.loads((folder.path / "reports" / "report.json").read_text())
     assert report["dumps"]["bundled"] is True and report["dumps"]["label"] == label
     assert "site-packages" in report["dumps"]["url"]  # the wheel's copy, not the checkout's
@@ -121,7 +121,7 @@ def test_every_command_works_from_the_wheel_beside_sgl_jax_pins(tmp_path: Path) 
     done = folder.run("kda-conform", "gate", "reports/report.json")
     assert (
         done.returncode == 0
-        and done.stdout.splitlines()[0] == "gate: ok (72 passed, 0 failed, 0 error, 0 skipped)"
+        and done.stdout.splitlines()[0] == "gate: ok (108 passed, 0 failed, 0 error, 0 skipped)"
     )
 
     done = folder.run("kda-conform", "verify")

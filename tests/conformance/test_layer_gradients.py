@@ -1,0 +1,62 @@
+"""Training conformance at the layer: kda_impl's layer gradients (`layer-grad-*`) against the float64
+layer's vector-Jacobian product (kda_spec.layer_vjp), and its gradient causality (`layer-grad-causal`),
+on both families; seeded defects (tests/conformance/layer_gradient_adapters.py) failing them."""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance.adapters.kda_impl_adapter import KDAImplAdapter
+from conformance.checks import kinds
+from conformance.checks.catalogue import CheckSkipped, CheckSpec
+from conformance.checks.kinds import Check
+from conformance.checks.runner import CheckRunner
+from conformance.dumps.reader import DumpSet
+from conformance.judging.verdict import worst_ratio
+from conformance.policy import TolerancePolicy
+from tests.conformance import layer_gradient_adapters
+from tests.conformance.test_serving import GOLDEN
+
+POLICY = TolerancePolicy.load()
+GRADIENT_CHECKS = (
+    Check(kinds.LAYER_GRAD_X),
+    Check(kinds.LAYER_GRAD_H0),
+    *(Check(kinds.LAYER_GRAD_WEIGHT, name) for name in kinds.LAYER_GRADIENT_WEIGHTS),
+)
+CAUSAL = Check(kinds.LAYER_GRAD_CAUSAL)
+CASE = "varlen_initstate"  # a packed batch from initial states, one sequence of one token
+
+
+def _results(adapter: type, dumps: DumpSet, checks, dtype: str = "fp32") -> dict[str, object]:
+    runner = CheckRunner(dumps, adapter, "auto", POLICY)
+    return {check.name: runner.run(CheckSpec(CASE, dtype, check)).comparison for check in checks}
+
+
+@pytest.mark.parametrize("dumps", [GOLDEN, GOLDEN.parent / "golden-glm5-next"], ids=lambda path: path.name)
+def test_kda_impls_layer_gradients_pass_on_both_families(dumps) -> None:
+    """Every layer gradient (the input's, the initial states', each weight's: a fused conv's by thirds)
+    within the relative gate of the float64 truth, and the backward causal to the bit."""
+    found = _results(KDAImplAdapter, DumpSet(str(dumps)), (*GRADIENT_CHECKS, CAUSAL))
+    assert not {name: c.failures for name, c in found.items() if not c.passed}
+    ratios = [worst_ratio(c.attribution.criteria) for c in found.values() if c.attribution is not None]
+    assert len(ratios) == len(GRADIENT_CHECKS) and max(ratios) < 1
+
+
+def test_a_bf16_layer_gradient_is_skipped_for_want_of_a_reference() -> None:
+    runner = CheckRunner(DumpSet(str(GOLDEN)), KDAImplAdapter, "auto", POLICY)
+    with pytest.raises(CheckSkipped, match="no bf16 reference of the layer's gradients"):
+        runner.run(CheckSpec(CASE, "bf16", Check(kinds.LAYER_GRAD_X)))
+
+
+def test_a_decay_parameters_gradient_one_percent_off_fails_its_check_alone() -> None:
+    found = _results(layer_gradient_adapters.ALogGradientScaled, DumpSet(str(GOLDEN)), GRADIENT_CHECKS)
+    assert [name for name, c in found.items() if not c.passed] == ["layer-grad-A_log"]
+    failed = found["layer-grad-A_log"]
+    assert failed.attribution.blame == "impl" and worst_ratio(failed.attribution.criteria) > 100
+
+
+def test_a_layer_that_reads_the_next_token_breaks_gradient_causality() -> None:
+    found = _results(
+        layer_gradient_adapters.LookAheadLayer, DumpSet(str(GOLDEN)), (CAUSAL, Check(kinds.LAYER_GRAD_X))
+    )
+    assert not found[CAUSAL.name].passed and not found["layer-grad-x"].passed
