@@ -146,10 +146,10 @@ def test_every_command_works_from_the_wheel_beside_sgl_jax_pins(tmp_path: Path) 
     done = folder.run("pytest", "--kda-impl", "kda_impl", "--kda-cases", "T8", "--kda-dtypes", "fp32")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert _conformance_section(done.stdout)[:2] == [
-        "PASS: 36 checked, 0 skipped",
+        "PASS: 54 checked, 0 skipped",
         f"dumps: {label}, family kimi-linear",
     ]
-    assert "37 passed" in done.stdout.splitlines()[-1]
+    assert "55 passed" in done.stdout.splitlines()[-1]
     done = folder.run("pytest", "test_own.py")  # inert without --kda-impl
     assert done.returncode == 0 and "KDA conformance" not in done.stdout
 
