@@ -116,7 +116,8 @@ test-slow: $(VENV)/.full-$(PLATFORM)
 dump: $(VENV)/.torch-$(PLATFORM) $(GCS_FOR_OUT)
 	$(PY) -m dump_gen --out $(OUT) --preset $(PRESET) --reference $(REFERENCE) --device $(DEVICE) $(DUMP_ARGS)
 
-# golden/ stays <= 32 MiB: the float64 truth of the intermediates only for its cases of <= 65 tokens.
+# golden/ stays <= 40 MiB: the float64 truth of the intermediates, and the reference's gradients
+# (dump_gen's default --gradients-max-tokens 65), only for its cases of <= 65 tokens.
 golden: $(VENV)/.full-$(PLATFORM)
 	rm -rf golden.tmp && $(PY) -m dump_gen --out golden.tmp --preset mini --reference transformers --device cpu \
 		--truth-intermediates-max-tokens 65
@@ -124,11 +125,12 @@ golden: $(VENV)/.full-$(PLATFORM)
 
 # golden-glm5-next/ (< 15 MiB, checked by `make conform` beside golden/): the glm5-next layer with the
 # stress weights (every 4th channel's gate at its floor L), two cases: a packed batch with initial states
-# and a one-token (decode) sequence, and a packed boundary inside the second 64-token chunk.
+# and a one-token (decode) sequence, and a packed boundary inside the second 64-token chunk; the reference's
+# gradients of both.
 GLM_GOLDEN_CASES := varlen_initstate varlen_70_3
 golden-glm5-next: $(VENV)/.full-$(PLATFORM)
 	rm -rf $(GLM_GOLDEN).tmp && $(PY) -m dump_gen --out $(GLM_GOLDEN).tmp --preset glm5-next-mini --weights stress \
-		--reference transformers --device cpu --cases $(GLM_GOLDEN_CASES)
+		--reference transformers --device cpu --cases $(GLM_GOLDEN_CASES) --gradients-max-tokens 73
 	cp $(GLM_GOLDEN)/README.md $(GLM_GOLDEN).tmp/README.md && rm -rf $(GLM_GOLDEN) && mv $(GLM_GOLDEN).tmp $(GLM_GOLDEN)
 
 # Both committed sets, one after the other.

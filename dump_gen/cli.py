@@ -4,6 +4,7 @@
         [--hub-snapshot DIR] [--checkpoint DIR --layer N] [--cases ID|long ...] [--seed N] [--device cpu|cuda]
         [--weights synthetic|stress] [--hidden-size N] [--num-heads N] [--head-dim N] [--conv-size N]
         [--rms-norm-eps X] [--gate-lower-bound L] [--threads N] [--truth-intermediates-max-tokens N]
+        [--gradients-max-tokens N]
 
 Exit status: 0 the set was written; 2 a problem the user can fix, reported on one line (a bad flag,
 checkpoint or destination, a reference that produced NaN/Inf, the torch references' extra not
@@ -25,6 +26,7 @@ from kda_spec.config import PRESETS, KDAConfig, get_preset
 from kda_spec.dump_format import CASE_GROUPS, CASES_BY_ID, select_cases
 from kda_spec.extras import missing_extra
 from kda_spec.families import KIMI_LINEAR
+from kda_spec.gradients import GRADIENTS_MAX_TOKENS
 from kda_spec.storage import StorageError
 from kda_spec.synthetic_weights import WEIGHTS_KINDS
 from kda_spec.truth import INTERMEDIATES_MAX_TOKENS
@@ -58,6 +60,7 @@ class Options:
         "synthetic"  # the synthetic kind (kda_spec.synthetic_weights.WEIGHTS_KINDS) unless --checkpoint
     )
     truth_intermediates_max_tokens: int = INTERMEDIATES_MAX_TOKENS
+    gradients_max_tokens: int = GRADIENTS_MAX_TOKENS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="store the float64 truth of the intermediates for cases of at most N tokens (default "
         f"{INTERMEDIATES_MAX_TOKENS}; the output's and the states' truth is stored for every case)",
     )
+    parser.add_argument(
+        "--gradients-max-tokens",
+        type=int,
+        default=GRADIENTS_MAX_TOKENS,
+        metavar="N",
+        help="store the reference's gradients (the chunk kernel's and the layer's, under torch autograd) and "
+        f"their cotangents for cases of at most N tokens (default {GRADIENTS_MAX_TOKENS}; 0: none; a long "
+        "case never)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     for flag, field, kind in _OVERRIDES:
         parser.add_argument(flag, type=kind, dest=field, help=f"override the preset's {field}")
@@ -161,6 +173,8 @@ def parse_options(argv: list[str] | None) -> Options:
         raise DumpError(
             f"--truth-intermediates-max-tokens must be >= 0, got {args.truth_intermediates_max_tokens}"
         )
+    if args.gradients_max_tokens < 0:
+        raise DumpError(f"--gradients-max-tokens must be >= 0, got {args.gradients_max_tokens}")
     return Options(
         out=args.out,
         overwrite=args.overwrite,
@@ -176,6 +190,7 @@ def parse_options(argv: list[str] | None) -> Options:
         progress=not args.no_progress,
         weights=args.weights,
         truth_intermediates_max_tokens=args.truth_intermediates_max_tokens,
+        gradients_max_tokens=args.gradients_max_tokens,
     )
 
 
@@ -217,6 +232,7 @@ def run(options: Options) -> dict:
             device=options.device,
             progress=options.progress,
             truth_intermediates_max_tokens=options.truth_intermediates_max_tokens,
+            gradients_max_tokens=options.gradients_max_tokens,
         )
 
 

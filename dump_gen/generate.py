@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from dump_gen.errors import DumpError
+from dump_gen.gradients import gradient_arrays
 from dump_gen.inputs import CaseInputs, case_inputs
 from dump_gen.kernels import PATHS, KernelBackend, KernelCall, kernel_backend
 from dump_gen.precision import precision_block
@@ -35,6 +36,7 @@ from kda_spec.dump_format import (
     truth_key,
 )
 from kda_spec.dump_writer import DumpSetWriter, TruthBlock
+from kda_spec.gradients import GRADIENTS_MAX_TOKENS
 from kda_spec.storage import DumpWriter
 from kda_spec.truth import (
     BLOCK_TOKENS,
@@ -83,11 +85,16 @@ def check_finite(array: np.ndarray, what: str) -> None:
         raise DumpError(f"{what} holds NaN or Inf ({bad} of {array.size} values); refusing to write it")
 
 
+def run_hidden(inputs: CaseInputs, dtype: str, device: str) -> torch.Tensor:
+    """The case's hidden states as the `dtype` run takes them: [T, hidden] in its dtype."""
+    return torch.from_numpy(inputs.hidden_states).to(device=device, dtype=RUN_DTYPES[dtype])
+
+
 def run_dtype(
     runner: LayerRunner, kernels: KernelBackend, inputs: CaseInputs, dtype: str, device: str
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Every result of one case in one dtype by its dump name, and the layer's kernel path per sequence."""
-    hidden = torch.from_numpy(inputs.hidden_states).to(device=device, dtype=RUN_DTYPES[dtype])
+    hidden = run_hidden(inputs, dtype, device)
     state = None if inputs.initial_state is None else torch.from_numpy(inputs.initial_state).to(device)
     with torch.no_grad():
         layer = runner.run(hidden, inputs, state)
@@ -153,8 +160,10 @@ def case_arrays(
     kernels: KernelBackend,
     config: KDAConfig,
     device: str,
+    gradients: bool = False,
 ) -> tuple[dict[str, np.ndarray], list[str]]:
-    """The arrays of one case file, in order, and the layer's kernel path per sequence (from the fp32 run)."""
+    """The arrays of one case file, in order, and the layer's kernel path per sequence (from the fp32 run);
+    with `gradients`, each run's reference gradients and their cotangents too (dump_gen.gradients)."""
     arrays = {"hidden_states": inputs.hidden_states, "cu_seqlens": inputs.cu_seqlens}
     if inputs.initial_state is not None:
         arrays["initial_recurrent_state"] = inputs.initial_state
@@ -174,11 +183,34 @@ def case_arrays(
             key = result_key(name, dtype)
             check_finite(array, f"case {case.case_id}: reference result {key!r}")
             arrays[key] = array
+        if gradients:
+            hidden = run_hidden(inputs, dtype, device)
+            found = gradient_arrays(runner, kernels, inputs, results, hidden, case.case_id, dtype, config)
+            for name, array in found.items():
+                key = result_key(name, dtype)
+                check_finite(array, f"case {case.case_id}: reference gradient {key!r}")
+                arrays[key] = array
     if len({tuple(paths) for paths in paths_by_dtype.values()}) != 1:
         raise RuntimeError(
             f"case {case.case_id}: the layer took different kernels per dtype: {paths_by_dtype}"
         )
     return arrays, paths_by_dtype["fp32"]
+
+
+def gradient_block(
+    kernels: KernelBackend, cases: list[str], max_tokens: int, available: bool
+) -> dict[str, Any]:
+    """The manifest's account of the gradient keys (kda_spec.gradients): which cases hold them and how the
+    reference computed them."""
+    if not available:
+        return {"cases": [], "note": "this reference has no backward run here (no `vjp`): no gradients"}
+    return {
+        "cases": cases,
+        "max_tokens": max_tokens,
+        "kernel": f"{kernels.VJP_PATH} path of {kernels.name} under torch autograd",
+        "layer": "the reference layer under torch autograd (its patches name any kernel it swaps)",
+        "cotangents": "kda_spec.gradients (seeded by the case id and the run's dtype), stored beside",
+    }
 
 
 def main_path(case: CaseSpec, paths: list[str]) -> str:
@@ -201,6 +233,7 @@ def generate(
     device: str,
     progress: bool = True,
     truth_intermediates_max_tokens: int = INTERMEDIATES_MAX_TOKENS,
+    gradients_max_tokens: int = GRADIENTS_MAX_TOKENS,
 ) -> dict[str, Any]:
     """Write one dump set of `cases` to `writer`; returns the manifest, written last. The caller holds
     `writer` as a context manager, so that whatever stops the run (an error, Ctrl-C) undoes what it wrote."""
@@ -212,20 +245,30 @@ def generate(
     runners = {dtype: reference.build(weights, torch_dtype) for dtype, torch_dtype in RUN_DTYPES.items()}
     truth_weights = {dtype: run_weights(weights, dtype, config) for dtype in RUN_DTYPES}
     stored_truth: set[str] = set()
+    with_gradients = all(hasattr(runner, "vjp") for runner in runners.values())  # the hub's has none
+    gradient_cases: list[str] = []
     bar = tqdm(cases, desc="dump", unit="case", disable=not progress)
     for case in bar:
         bar.set_postfix_str(case.case_id)
         inputs = case_inputs(case, config, seed)
-        arrays, paths = case_arrays(case, inputs, runners, kernels, config, device)
+        gradients = with_gradients and case.group != LONG_GROUP and case.total_tokens <= gradients_max_tokens
+        arrays, paths = case_arrays(case, inputs, runners, kernels, config, device, gradients)
         names = truth_names(case, truth_intermediates_max_tokens)
         arrays.update(truth_arrays(case, inputs, truth_weights, config, names))
+        if gradients:
+            gradient_cases.append(case.case_id)
         stored_truth.update(names)
         dump_set.write_case(
             case, arrays, layer_kernel_path=main_path(case, paths), layer_kernel_path_per_seq=paths
         )
     return dump_set.commit(
         config=config,
-        reference={"name": reference.name, **reference.describe(), "kernel_keys": kernels.name},
+        reference={
+            "name": reference.name,
+            **reference.describe(),
+            "kernel_keys": kernels.name,
+            "gradients": gradient_block(kernels, gradient_cases, gradients_max_tokens, with_gradients),
+        },
         precision=precision_block(device),  # read back after the runs: what they ran with
         seed=seed,
         generator=generator_name(),

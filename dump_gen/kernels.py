@@ -35,18 +35,20 @@ class KernelResult:
 class KernelCall:
     """What one call of a kernel path is fed: a packed batch of N sequences."""
 
-    q: torch.Tensor  # [1, T, H, D], before the L2 norm
-    k: torch.Tensor  # [1, T, H, D], before the L2 norm
+    q: torch.Tensor  # [1, T, H, D], before the L2 norm (after it with `normalized`)
+    k: torch.Tensor  # [1, T, H, D], before the L2 norm (after it with `normalized`)
     v: torch.Tensor  # [1, T, H, D]
     g: torch.Tensor  # [1, T, H, D] log-space decay
     beta: torch.Tensor  # [1, T, H]
     spans: list[tuple[int, int]]  # [start, end) of each of the N sequences
     packed: bool  # hand the kernel cu_seqlens (the varlen cases)
     initial_state: torch.Tensor | None  # [N, H, D, D] float32
+    normalized: bool = False  # q and k are L2-normalised already: the kernel takes them as they are
 
 
 class KernelBackend(Protocol):
     name: str
+    VJP_PATH: str  # the path whose backward gives the reference's kernel gradients (dump_gen.gradients)
 
     def run(self, path: str, call: KernelCall) -> KernelResult: ...
 
@@ -61,6 +63,12 @@ class NaiveKernels:
     """fla-core's torch references, one sequence at a time (CPU)."""
 
     name = "fla.ops.kda.naive (naive_chunk_kda, naive_recurrent_kda)"
+    # The path whose backward (torch autograd) gives the reference's gradients: the token recurrence.
+    # naive_chunk_kda exponentiates every in-chunk decay difference g_i - g_j before masking those above
+    # the diagonal: where they overflow (golden's mini weights, 41 tokens) its forward selects 0, but its
+    # backward multiplies the inf by a zero cotangent: NaN gradients (as transformers' before PR #48455).
+    VJP_PATH = "fused_recurrent"
+    VJP_NAME = "fla.ops.kda.naive.naive_recurrent_kda"
 
     def run(self, path: str, call: KernelCall) -> KernelResult:
         from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
@@ -68,7 +76,8 @@ class NaiveKernels:
         outputs, states = [], []
         for index, (start, end) in enumerate(call.spans):
             rows = slice(start, end)
-            args = [l2norm(call.q[:, rows]), l2norm(call.k[:, rows]), call.v[:, rows], call.g[:, rows]]
+            q, k = (x[:, rows] if call.normalized else l2norm(x[:, rows]) for x in (call.q, call.k))
+            args = [q, k, call.v[:, rows], call.g[:, rows]]
             seq_beta = call.beta[:, rows]
             state = None if call.initial_state is None else call.initial_state[index : index + 1]
             if path == "chunk":
@@ -119,6 +128,8 @@ class TritonKernels:
     (`lower_bound` set: every g in [lower_bound, 0)) the chunk kernel runs as such a layer calls it,
     `safe_gate=True, lower_bound=...` on the precomputed g."""
 
+    VJP_PATH = "chunk"  # chunk_kda's own backward
+
     def __init__(self, lower_bound: float | None = None):
         self.lower_bound = lower_bound
         self.name = "fla.ops.kda (chunk_kda, fused_recurrent_kda)" + (
@@ -144,7 +155,7 @@ class TritonKernels:
             call.beta,
             initial_state=call.initial_state,
             output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
+            use_qk_l2norm_in_kernel=not call.normalized,
             cu_seqlens=cu_seqlens,
             **bounded,
         )

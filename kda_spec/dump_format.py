@@ -11,6 +11,7 @@ import hashlib
 import numpy as np
 
 from kda_spec.config import KDAConfig
+from kda_spec.gradients import FP32_GRADIENT_KEYS, GRADIENT_KEYS, gradient_key_shapes
 from kda_spec.weight_names import hf_weight_shapes
 
 FORMAT_NAME = "kda-dump"
@@ -117,10 +118,15 @@ GATE_INPUT_KEY = "g_raw"
 # Intermediates a format-v1 set may lack (it was written before them).
 OPTIONAL_INTERMEDIATE_KEYS = (GATE_INPUT_KEY,)
 OPTIONAL_KEYS = ("final_conv_state",)
+# The gradients (kda_spec.gradients, docs/gradients.md): each run's cotangents and the reference's
+# gradients of the chunk kernel and of the layer, for the cases dump_gen stores them for; optional.
+GRADIENT_RESULT_KEYS = GRADIENT_KEYS
 # What a long case stores of each run: the output and the final states, not the [T, H, D] results.
 LONG_RESULT_NAMES = (OUTPUT_KEY, "recurrent_state_chunk", "recurrent_state_fused_recurrent")
-# Keys that stay float32 in a bf16 run (states and the fp32 gate path).
-FP32_IN_BF16_RUN = frozenset({"recurrent_state_chunk", "recurrent_state_fused_recurrent", "g", "beta"})
+# Keys that stay float32 in a bf16 run (states and the fp32 gate path, the fp32 gradients).
+FP32_IN_BF16_RUN = frozenset(
+    {"recurrent_state_chunk", "recurrent_state_fused_recurrent", "g", "beta", *FP32_GRADIENT_KEYS}
+)
 DTYPES = ("fp32", "bf16")
 
 
@@ -186,6 +192,8 @@ def expected_shape(name: str, *, tokens: int, num_seqs: int, config: dict) -> tu
         "o_norm": (tokens, heads, dim),
         "final_conv_state": (num_seqs, width - 1, 3 * heads * dim),
     }
+    if name in GRADIENT_RESULT_KEYS:
+        return gradient_key_shapes(tokens, num_seqs, KDAConfig.from_manifest(config))[name]
     if name not in shapes:
         raise KeyError(f"no shape rule for dump key {name!r}")
     return shapes[name]

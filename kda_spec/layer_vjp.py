@@ -42,6 +42,7 @@ def layer_vjp(
     dout: np.ndarray,  # [T, hidden] the output's cotangent
     dht: np.ndarray,  # [N, H, D, D] the final states' cotangent
     dtype: type[np.floating] = np.float64,
+    squares: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """The gradients of `sum(out * dout) + sum(final_state * dht)` for `kda_spec.truth.layer_truth` on one
     packed batch, every step in `dtype`: `hidden_states` [T, hidden], `initial_state` [N, H, D, D] (of
@@ -62,6 +63,10 @@ def layer_vjp(
         softplus gate g = -e^A sp(f): df = -e^A s(f) dg (1 above the threshold 20), dA = Σ dg·g
         lower-bound gate g = L s(e^A f): df = dg L s'(e^A f) e^A, dA = Σ dg L s'(e^A f) e^A f
         dℓ = dβ β(1 - β) for β's logit ℓ; and for every projection y = a Wᵀ: dW = dyᵀ a, da = dy W.
+
+    `squares`, when given, receives for every weight (canonical names) the sum of the squares of the terms
+    its gradient sums (`(dy²)ᵀ a²` for a projection): the scale of its rounding (`kda_spec.truth.
+    summation_scale`; a gradient whose terms cancel is far smaller than its terms).
     """
     heads, dim = config.num_heads, config.head_dim
     w = {name: np.asarray(array, dtype) for name, array in canonical_weights(config, weights).items()}
@@ -77,12 +82,14 @@ def layer_vjp(
         return a.reshape(tokens, -1)
 
     grads: dict[str, np.ndarray] = {}
+    term_squares: dict[str, np.ndarray] = {}
     dx = np.zeros_like(x)
 
     def project_back(a: np.ndarray, name: str, dy: np.ndarray) -> np.ndarray:
         """Adds the gradient of `name`'s weight for `y = a Wᵀ`; returns the gradient of `a`."""
         weight = w[f"{name}.weight"]
         grads[f"{name}.weight"] = dy.T @ a
+        term_squares[f"{name}.weight"] = (dy * dy).T @ (a * a)
         return dy @ weight
 
     # forward, keeping what the adjoints read
@@ -112,6 +119,7 @@ def layer_vjp(
     # output projection and gated RMSNorm
     dy = per_head(project_back(flat(n_o * norm_weight * gate), "o_proj", np.asarray(dout, dtype)))
     grads["o_norm.weight"] = np.sum(dy * n_o * gate, axis=(0, 1))
+    term_squares["o_norm.weight"] = np.sum((dy * n_o * gate) ** 2, axis=(0, 1))
     dz = dy * n_o * norm_weight * gate * (1 - gate)
     dn = dy * norm_weight * gate
     do = r * (dn - n_o * np.mean(dn * n_o, axis=-1, keepdims=True))
@@ -131,12 +139,14 @@ def layer_vjp(
         s = sigmoid(rate * f)
         slope = np.asarray(config.gate_lower_bound, dtype) * s * (1 - s) * rate  # dg/df
         df = rec["dg"] * slope
-        d_a_log = np.sum(df * f, axis=(0, 2))
+        a_log_terms = df * f
     else:
         df = rec["dg"] * -rate * np.where(f > SOFTPLUS_THRESHOLD, 1, sigmoid(f))
-        d_a_log = np.sum(rec["dg"] * g, axis=(0, 2))
-    grads["A_log"] = d_a_log.reshape(w["A_log"].shape)
+        a_log_terms = rec["dg"] * g
+    grads["A_log"] = np.sum(a_log_terms, axis=(0, 2)).reshape(w["A_log"].shape)
+    term_squares["A_log"] = np.sum(a_log_terms**2, axis=(0, 2)).reshape(w["A_log"].shape)
     grads["dt_bias"] = np.sum(df, axis=0).reshape(w["dt_bias"].shape)
+    term_squares["dt_bias"] = np.sum(df * df, axis=0).reshape(w["dt_bias"].shape)
     dfa = project_back(fa, "f_b_proj", flat(df))
     dx += project_back(x, "f_a_proj", dfa)
 
@@ -151,7 +161,12 @@ def layer_vjp(
         s = sigmoid(c)
         dc = flat(activation_grads[n]) * s * (1 + c * (1 - s))
         du, grads[f"{n}_conv1d.weight"] = causal_conv_vjp(u, w[f"{n}_conv1d.weight"], spans, dc)
+        _, term_squares[f"{n}_conv1d.weight"] = causal_conv_vjp(
+            u * u, w[f"{n}_conv1d.weight"], spans, dc * dc
+        )
         dx += project_back(x, f"{n}_proj", du)
+    if squares is not None:
+        squares.update(term_squares)
     return {
         **family_weights(config, grads),
         HIDDEN_STATES_GRADIENT: dx,

@@ -33,11 +33,12 @@ from conformance.checks import sequences
 from conformance.checks.catalogue import CheckSkipped
 from conformance.checks.kinds import CHECKPOINT_CHUNK_SIZE
 from conformance.checks.memo import Memo
-from conformance.checks.truth import KERNEL_INPUTS, layer_gradient_results
+from conformance.checks.truth import KERNEL_INPUTS
 from conformance.dumps.reader import CaseData, DumpSet
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig
 from kda_spec.families import canonical_weights
+from kda_spec.gradients import layer_gradient_results
 from kda_spec.truth import L2NORM_EPS, chunk_starts
 from kda_spec.weight_names import hf_weight_shapes
 
@@ -241,8 +242,9 @@ class ImplementationCalls:
     def layer_vjp_on_dump(
         self, case: CaseData, dtype: str, cotangents: tuple[np.ndarray, np.ndarray]
     ) -> dict[str, np.ndarray]:
-        """The layer's gradients (`layer_vjp`, by check result: `truth.layer_gradient_results`) on the
-        case's hidden states of this run, for the `cotangents` (dout, dht) of its output and final states."""
+        """The layer's gradients (`layer_vjp`, by check result: `kda_spec.gradients.layer_gradient_results`)
+        on the case's hidden states of this run, for the `cotangents` (dout, dht) of its output and final
+        states."""
         return self._results.get(
             ("layer vjp", dtype),
             lambda: self.run_layer_vjp(case, dtype, self.inputs(case, dtype), cotangents),

@@ -18,8 +18,7 @@ import functools
 import re
 
 from kda_spec import dump_format as fmt
-from kda_spec.config import get_preset
-from kda_spec.families import canonical_weight_shapes
+from kda_spec import gradients
 from kda_spec.truth import GRADIENT_NAMES
 
 OUT_AXES = ("token", "channel")
@@ -58,12 +57,9 @@ TRAINING_GROUP = "training"  # what training needs: the gradients, causality
 # The chunk kernel's per-token inputs whose gradients the `kernel-chunk-grad-{arg}` checks judge (the
 # argument names the input; the gradient is `d<input>`, as `adapter.KERNEL_GRADIENTS` names it).
 GRADIENT_INPUTS = tuple(name.removeprefix("d") for name in GRADIENT_NAMES if name != "dh0")
-# The weights whose gradients the `layer-grad-{arg}` checks judge: every canonical weight (kda_spec.families;
-# a fused conv's gradient judged as its q, k and v thirds), by its name without `.weight`. The names are
-# those of any config: a preset's.
-LAYER_GRADIENT_WEIGHTS = tuple(
-    name.removesuffix(".weight") for name in canonical_weight_shapes(get_preset("mini"))
-)
+# The weights whose gradients the `layer-grad-{arg}` checks judge: every canonical weight (a fused conv's
+# gradient judged as its q, k and v thirds), by its name without `.weight`.
+LAYER_GRADIENT_WEIGHTS = gradients.LAYER_GRADIENT_WEIGHTS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,7 @@ and decided by the check's gate mode: one `CheckResult` per check."""
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -37,6 +38,7 @@ from conformance.checks.truth import (
     CONTRACT_SOURCE,
     FP32_STAGES,
     KERNEL_INPUTS,
+    SPREAD_DRAWS,
     NoTruth,
     computed_contract_model,
     computed_layer_truth,
@@ -44,7 +46,6 @@ from conformance.checks.truth import (
     computed_reduction_spread,
     gradient_cotangents,
     layer_cotangents,
-    layer_gradient_results,
     not_computed,
     recurrence_fp64,
     stored_truth,
@@ -57,10 +58,11 @@ from conformance.judging.limits import RelativeLimits, Tolerance
 from conformance.judging.matmul_diagnosis import MATMUL_MODELS, MatmulDiagnosis, diagnose
 from conformance.judging.measurement import Measurement, measure
 from conformance.judging.positions import PositionProfile, judge_by_windows, position_profile
-from conformance.judging.reduction import ReductionSpread, reduction_limits, spread_of
+from conformance.judging.reduction import FP32_UNIT_ROUNDOFF, ReductionSpread, reduction_limits, spread_of
 from conformance.judging.verdict import CONTRACT_MODE
 from conformance.policy import TolerancePolicy
 from kda_spec import dump_format as fmt
+from kda_spec.gradients import layer_gradient_results
 from kda_spec.layer_vjp import layer_vjp
 from kda_spec.truth import (
     l2_normalised,
@@ -85,6 +87,8 @@ LAYER_GRADIENT_TRUTH_SOURCE = (
     "float64 layer's vector-Jacobian product (kda_spec.layer_vjp) on the dump's inputs and weights, the "
     "cotangents seeded by the case"
 )
+# The unit roundoff of each run's arithmetic: a layer weight gradient's spread is in its units.
+UNIT_ROUNDOFF = {"fp32": FP32_UNIT_ROUNDOFF, "bf16": 2.0**-8}
 CHECKPOINT_KERNEL_TRUTH_SOURCE = (
     f"float64 recurrence on the dumped kernel inputs, its state entering every {kinds.CHECKPOINT_CHUNK_SIZE}-"
     "token chunk"
@@ -241,7 +245,10 @@ class CheckRunner:
         """The reductions' spread of the check's result at its rows (`computed_reduction_spread`: each
         draw's move, measured against `truth` under `tolerance`); None where the policy sets no
         `spread_lambda` for the dtype, for a kernel check (judged on the dump's kernel inputs), and where
-        the spread is not computed (a case over `COMPUTE_MAX_TOKENS` tokens, a result its layer lacks)."""
+        the spread is not computed (a case over `COMPUTE_MAX_TOKENS` tokens, a result its layer lacks); a
+        layer weight gradient's is `gradient_spread`."""
+        if spec.kind == kinds.LAYER_GRAD_WEIGHT:
+            return self.gradient_spread(case, spec, tolerance, truth)
         spread_lambda = self.policy.relative[spec.dtype].spread_lambda
         if not spread_lambda or spec.kind.truth != kinds.LAYER_TRUTH:
             return None
@@ -468,7 +475,8 @@ class CheckRunner:
         """The token recurrence's gradients in `precision` (`kda_spec.truth.packed_delta_rule_vjp`) on the
         dumped kernel inputs of the `dtype` run (q, k l2-normalised in fp32 as the kernels get them, then
         widened exactly), for the case's cotangents: float64 is the truth of the gradient checks, float32
-        their reference (the dump holds no reference's gradients: the plain fp32 recurrence)."""
+        their reference where the dump holds no reference's gradients (`grad_chunk_*`): the plain fp32
+        recurrence."""
 
         def compute() -> dict[str, np.ndarray]:
             q, k, v, g, beta = (self.expected(case, name, dtype) for name in KERNEL_INPUTS)
@@ -491,19 +499,50 @@ class CheckRunner:
     ) -> dict[str, np.ndarray]:
         """The layer's gradients in `precision` (`kda_spec.layer_vjp`) on the `dtype` run's inputs and
         weights of the case, for the case's layer cotangents, by check result (`layer_gradient_results`):
-        float64 is the truth of the layer gradient checks, float32 their fp32 reference (the dump holds no
-        reference's gradients: the same code in float32)."""
+        float64 is the truth of the layer gradient checks, float32 their fp32 reference where the dump holds
+        no reference's gradients (`grad_layer_*`): the same code in float32."""
+        return self._layer_backward(case, dtype, precision)[0]
+
+    def layer_gradient_scales(self, case: CaseData, dtype: str) -> dict[str, np.ndarray]:
+        """Each weight gradient's rounding scale, by check result: the root of the sum of the squares of
+        the terms the float64 gradient sums (`kda_spec.layer_vjp`'s `squares`)."""
+        return self._layer_backward(case, dtype, np.float64)[1]
+
+    def _layer_backward(
+        self, case: CaseData, dtype: str, precision: type[np.floating]
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         config = self.dumps.config
 
-        def compute() -> dict[str, np.ndarray]:
-            weights = run_weights(self.dumps.weights(), dtype, config)
+        def compute() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+            weights, squares = run_weights(self.dumps.weights(), dtype, config), {}
             grads = layer_vjp(
                 weights, run_hidden_states(case.hidden_states, dtype), case.cu_seqlens, case.initial_state,
-                config, *self.layer_cotangents(case, dtype), precision,
+                config, *self.layer_cotangents(case, dtype), precision, squares,
             )  # fmt: skip
-            return layer_gradient_results(grads, config)
+            scales = {f"d{name.removesuffix('.weight')}": np.sqrt(value) for name, value in squares.items()}
+            return layer_gradient_results(grads, config), scales
 
         return self._derived.get(("layer-gradients", dtype, np.dtype(precision).name), compute)
+
+    def gradient_spread(
+        self, case: CaseData, spec: CheckSpec, tolerance: Tolerance, truth: np.ndarray
+    ) -> ReductionSpread | None:
+        """A layer weight gradient's spread: `SPREAD_DRAWS` draws of its float64 truth with every element
+        moved by `gradient_spread_lambda · u · sqrt(Σ terms²)` with a random sign (u the run dtype's unit
+        roundoff), measured against the truth under `tolerance`; None where the policy sets no
+        `gradient_spread_lambda` for the dtype."""
+        limits = self.policy.relative[spec.dtype]
+        if not limits.gradient_spread_lambda:
+            return None
+        scale = (
+            limits.gradient_spread_lambda
+            * UNIT_ROUNDOFF[spec.dtype]
+            * self.layer_gradient_scales(case, spec.dtype)[spec.of.result]
+        )
+        rng = np.random.default_rng(zlib.crc32(spec.id.encode()))
+        moves = [scale * rng.choice((-1.0, 1.0), size=scale.shape) for _ in range(SPREAD_DRAWS)]
+        errors = [error_vs_truth(truth + move, truth, tolerance) for move in moves]
+        return spread_of([e.margin for e in errors], [e.nrmse for e in errors], moves, limits, gradient=True)
 
     def own_inputs_state(self, case: CaseData, dtype: str, precision: type[np.floating]) -> np.ndarray:
         """The final states [N, H, D, D] of the token recurrence in `precision` on the implementation's own
@@ -586,7 +625,9 @@ def _kernel_gradient(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Si
     if not np.any(runner.kernel_gradients(case, dtype, np.float64)[name]):
         # dg of sequences of one token from zero states: the decay scales nothing
         raise CheckSkipped(f"the float64 truth of {name} is zero everywhere: no relative error to judge")
-    reference = runner.kernel_gradients(case, dtype, np.float32)[name]
+    reference = case.result(f"grad_chunk_{name}", dtype)  # the reference kernel's backward, where dumped
+    if reference is None:
+        reference = runner.kernel_gradients(case, dtype, np.float32)[name]
     actual = runner.calls.kernel_vjp_on_dump(case, dtype, runner.gradient_cotangents(case, dtype))[name]
     return Sides(actual, reference, spec.kind.axes[: reference.ndim])
 
@@ -594,14 +635,17 @@ def _kernel_gradient(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Si
 @_sides_of(kinds.LAYER_GRAD_X, kinds.LAYER_GRAD_H0, kinds.LAYER_GRAD_WEIGHT)
 def _layer_gradient(runner: CheckRunner, case: CaseData, spec: CheckSpec) -> Sides:
     name, dtype = spec.of.result, spec.dtype
-    if dtype != "fp32":
+    reference = case.result(f"grad_layer_{name}", dtype)  # the reference layer's backward, where dumped
+    if reference is None and dtype != "fp32":
         raise CheckSkipped(
-            f"no {dtype} reference of the layer's gradients: the dump holds none, and a {dtype} backward's "
-            "roundings have no float32 stand-in"
+            f"no {dtype} reference of the layer's gradients: the dump holds none "
+            f"({fmt.result_key(f'grad_layer_{name}', dtype)!r}), and a {dtype} backward's roundings have no "
+            "float32 stand-in"
         )
     if not np.any(runner.layer_gradients(case, dtype, np.float64)[name]):
         raise CheckSkipped(f"the float64 truth of {name} is zero everywhere: no relative error to judge")
-    reference = runner.layer_gradients(case, dtype, np.float32)[name]
+    if reference is None:
+        reference = runner.layer_gradients(case, dtype, np.float32)[name]
     actual = runner.calls.layer_vjp_on_dump(case, dtype, runner.layer_cotangents(case, dtype))[name]
     return Sides(actual, reference, spec.kind.axes)
 

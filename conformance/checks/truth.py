@@ -24,8 +24,8 @@ from conformance.dumps.reader import CaseData
 from conformance.judging.reduction import FP32_UNIT_ROUNDOFF
 from kda_spec import dump_format as fmt
 from kda_spec.config import KDAConfig
-from kda_spec.families import canonical_weights
-from kda_spec.layer_vjp import HIDDEN_STATES_GRADIENT, INITIAL_STATE_GRADIENT
+from kda_spec.gradients import KERNEL_COTANGENT_KEYS, LAYER_COTANGENT_KEYS, kernel_cotangents
+from kda_spec.gradients import layer_cotangents as seeded_layer_cotangents
 from kda_spec.truth import (
     ReductionError,
     bf16_contract_rounding,
@@ -194,41 +194,29 @@ def _layer_arguments(
 
 
 def gradient_cotangents(case: CaseData, dtype: str, config: KDAConfig) -> tuple[np.ndarray, np.ndarray]:
-    """The cotangents of a case's kernel gradient checks: do [T, H, D] of the kernel's output and dht
-    [N, H, D, D] of its final states, float32 N(0, 1), seeded by the case id and the run's dtype."""
-    rng = _cotangent_stream(case, dtype)
-    heads, dim = config.num_heads, config.head_dim
-    do = rng.standard_normal((case.info.total_tokens, heads, dim), np.float32)
-    dht = rng.standard_normal((len(case.info.seq_lens), heads, dim, dim), np.float32)
-    return do, dht
+    """The cotangents (do [T, H, D], dht [N, H, D, D]) of a case's kernel gradient checks in the `dtype` run:
+    the dump's (`grad_chunk_do`, `grad_chunk_dht`) where it stores them, else `kda_spec.gradients`' seeded
+    ones (what dump_gen stores)."""
+    return _cotangents(case, dtype, config, KERNEL_COTANGENT_KEYS, kernel_cotangents)
 
 
 def layer_cotangents(case: CaseData, dtype: str, config: KDAConfig) -> tuple[np.ndarray, np.ndarray]:
-    """The cotangents of a case's layer gradient checks: dout [T, hidden] of the layer's output and dht
-    [N, H, D, D] of its final states, float32 N(0, 1), seeded by the case id, the run's dtype and "layer"
-    (a stream apart from the kernel's)."""
-    rng = _cotangent_stream(case, dtype, "layer")
-    heads, dim = config.num_heads, config.head_dim
-    dout = rng.standard_normal((case.info.total_tokens, config.hidden_size), np.float32)
-    dht = rng.standard_normal((len(case.info.seq_lens), heads, dim, dim), np.float32)
-    return dout, dht
+    """The cotangents (dout [T, hidden], dht [N, H, D, D]) of a case's layer gradient checks in the `dtype`
+    run: the dump's (`grad_layer_dout`, `grad_layer_dht`), else the seeded ones."""
+    return _cotangents(case, dtype, config, LAYER_COTANGENT_KEYS, seeded_layer_cotangents)
 
 
-def layer_gradient_results(grads: Mapping[str, np.ndarray], config: KDAConfig) -> dict[str, np.ndarray]:
-    """A layer vjp's gradients (`kda_spec.layer_vjp`'s names: the family's weights, `hidden_states`,
-    `initial_state`) by the result names of the layer gradient checks: `dx`, `dh0`, and `d<weight>` for
-    every canonical weight (`kinds.LAYER_GRADIENT_WEIGHTS`; a fused conv's gradient split exactly)."""
-    canonical = canonical_weights(config, grads)
-    return {
-        "dx": grads[HIDDEN_STATES_GRADIENT],
-        "dh0": grads[INITIAL_STATE_GRADIENT],
-        **{f"d{name.removesuffix('.weight')}": value for name, value in canonical.items()},
-    }
-
-
-def _cotangent_stream(case: CaseData, dtype: str, *labels: str) -> np.random.Generator:
-    """The random stream of a case's cotangents in the `dtype` run, apart for each `labels`."""
-    return np.random.default_rng([zlib.crc32(text.encode()) for text in (case.info.case_id, dtype, *labels)])
+def _cotangents(
+    case: CaseData,
+    dtype: str,
+    config: KDAConfig,
+    keys: tuple[str, str],
+    seeded: Callable[[str, str, int, int, KDAConfig], tuple[np.ndarray, np.ndarray]],
+) -> tuple[np.ndarray, np.ndarray]:
+    stored = [case.result(key, dtype) for key in keys]
+    if all(array is not None for array in stored):
+        return stored[0], stored[1]
+    return seeded(case.info.case_id, dtype, case.info.total_tokens, len(case.info.seq_lens), config)
 
 
 def not_computed(case: CaseData, name: str, what: str) -> NoTruth:

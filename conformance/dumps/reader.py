@@ -30,6 +30,7 @@ from kda_spec.remote import LocationError, open_location
 # Result names a case file may hold (without the `_bf16` suffix); `out` is stored as out_fp32/out_bf16.
 _RESULT_NAMES = (
     *fmt.KERNEL_KEYS, *fmt.INTERMEDIATE_KEYS, *fmt.OPTIONAL_INTERMEDIATE_KEYS, *fmt.OPTIONAL_KEYS,
+    *fmt.GRADIENT_RESULT_KEYS,
 )  # fmt: skip
 # Decoded cases a DumpSet keeps after reading them (the most recent first), so that a run reads and
 # checks each file once; a larger set reads a case again (and checks it again) when it comes back to it.

@@ -60,7 +60,9 @@ class RelativeLimits:
     error of the float64 layer whose every reduction is moved by `spread_lambda · 2^-24 · sum |a_i b_i|`,
     raised where few roundings decide the result to the `1 - spread_tail` quantile of a faithful
     pipeline's error beyond `factor` (`reduction.ReductionSpread`, computed per check into `spread`);
-    0: no spread."""
+    0: no spread. `gradient_spread_lambda` > 0 does the same for a layer weight's gradient, from the
+    gradient itself: each element moved by `gradient_spread_lambda · u · sqrt(Σ terms²)` (the terms its sum
+    adds, u the run dtype's unit roundoff)."""
 
     factor: float
     margin_floor: float
@@ -69,6 +71,9 @@ class RelativeLimits:
     margin_lambda: float = 0.0  # the margin floor at least margin_lambda · sqrt(K) · 2^-24 in scale units
     spread_lambda: float = 0.0  # each reduction of the spread's model moved by spread_lambda · 2^-24 · Σ|ab|
     spread_tail: float = 1e-5  # the one-sided probability a faithful result's error may exceed the spread's
+    # each element of a layer weight's gradient moved by gradient_spread_lambda · u · sqrt(Σ terms²) in the
+    # gradients' spread (u the run dtype's unit roundoff); 0: no spread
+    gradient_spread_lambda: float = 0.0
     # The floors' reduction where they were raised to it (`reduction.reduction_limits`), else None.
     reduction: ReductionFloors | None = None
     # The reductions' spread of the check's result where it was computed (`reduction.spread_of`).
@@ -82,6 +87,7 @@ class RelativeLimits:
             "nrmse_lambda",
             "margin_lambda",
             "spread_lambda",
+            "gradient_spread_lambda",
         ):
             finite_number(getattr(self, name), name)
         if not 0 < finite_number(self.spread_tail, "spread_tail") < 0.5:

@@ -120,6 +120,8 @@ class ReductionSpread:
     spread_lambda: float
     roundings: float
     tail: float
+    # what each draw moved, for the record (`source`)
+    model: str = "float64 layer, every reduction moved by {lambda}·2^-24·Σ|ab|"
 
     @property
     def margin(self) -> float:
@@ -132,10 +134,8 @@ class ReductionSpread:
     def source(self, statistic: str) -> str:
         """What a criterion's reference is where it is this spread (`statistic`: "margin" or "nRMSE")."""
         tail = f", x{self.tail:.3g} for {self.roundings:.3g} effective roundings" if self.tail > 1 else ""
-        return (
-            f"the reductions' spread, {statistic} (float64 layer, every reduction moved by "
-            f"{self.spread_lambda:g}·2^-24·Σ|ab|, RMS of {self.draws} draws{tail})"
-        )
+        model = self.model.replace("{lambda}", f"{self.spread_lambda:g}")
+        return f"the reductions' spread, {statistic} ({model}, RMS of {self.draws} draws{tail})"
 
     def as_dict(self) -> dict[str, float]:
         return {**dataclasses.asdict(self), "margin": self.margin, "nrmse": self.nrmse}
@@ -179,9 +179,11 @@ def spread_of(
     nrmses: Sequence[float],  # each draw's nRMSE against the truth
     errors: Sequence[np.ndarray],  # each draw's result minus the truth, at the check's rows
     limits: RelativeLimits,
+    gradient: bool = False,
 ) -> ReductionSpread:
     """The reductions' spread of a check from its draws (module docstring), under `limits`' factor,
-    `spread_lambda` and `spread_tail`."""
+    `spread_lambda` and `spread_tail`; with `gradient`, a layer weight gradient's (`gradient_spread_lambda`,
+    `GRADIENT_SPREAD_MODEL`)."""
     if not margins or not len(margins) == len(nrmses) == len(errors):
         raise ValueError(
             f"a spread needs one margin, nRMSE and error per draw, got {len(margins)}, {len(nrmses)} "
@@ -193,4 +195,13 @@ def spread_of(
 
     roundings = effective_roundings(errors)
     tail = tail_allowance(roundings, limits.factor, limits.spread_tail)
+    if gradient:
+        return ReductionSpread(
+            rms(margins), rms(nrmses), len(margins), limits.gradient_spread_lambda, roundings, tail,
+            GRADIENT_SPREAD_MODEL,
+        )  # fmt: skip
     return ReductionSpread(rms(margins), rms(nrmses), len(margins), limits.spread_lambda, roundings, tail)
+
+
+# What a layer weight gradient's spread moves (`conformance.checks.runner`, `gradient_spread`).
+GRADIENT_SPREAD_MODEL = "float64 gradient, every element moved by {lambda}·u·sqrt(Σ terms²) of its sum"

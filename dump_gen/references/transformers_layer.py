@@ -33,7 +33,7 @@ from dump_gen.capture import (
     replaced,
 )
 from dump_gen.inputs import CaseInputs
-from dump_gen.kernels import PATHS, KernelBackend, KernelCall, kernel_backend
+from dump_gen.kernels import PATHS, KernelBackend, KernelCall, NaiveKernels, kernel_backend
 from dump_gen.references.base import LayerRun, assemble_run, device_description, load_layer, package_versions
 from dump_gen.references.layout import check_layout, module_layout
 from dump_gen.references.transformers_families import TransformersLayer, transformers_layer
@@ -67,6 +67,15 @@ class TransformersReference:
             return {path: function.__wrapped__ for path, function in functions.items()}
         return functions
 
+    def gradient_kernels(self) -> dict[str, Callable[..., Any]]:
+        """The function the layer's backward run (`TransformersRunner.vjp`) calls for each kernel path: the
+        layer's own where they have a backward (fla's Triton kernels on a GPU); on a CPU fla's torch token
+        recurrence for both (`NaiveKernels.VJP_PATH`), as transformers' pure-torch kernels write in place
+        into tensors autograd keeps."""
+        if self.device == "cpu":
+            return {path: _layer_call(NaiveKernels(), NaiveKernels.VJP_PATH) for path in PATHS}
+        return self.layer_kernels()
+
     def gate_forward(self) -> GateForward | None:
         """What replaces the layer's forget gate's forward (None: the layer's own gate runs)."""
         return None
@@ -75,7 +84,9 @@ class TransformersReference:
         if self.device == "cpu":
             return [
                 "chunk_kimi_delta_attention, recurrent_kimi_delta_attention: their pure-torch versions "
-                "(__wrapped__), as fla's Triton kernels need a GPU"
+                "(__wrapped__), as fla's Triton kernels need a GPU",
+                f"the layer's gradients: its kernel functions {NaiveKernels.VJP_NAME} under torch autograd, "
+                "as the pure-torch versions write in place into tensors autograd keeps",
             ]
         return []
 
@@ -96,8 +107,9 @@ class TransformersReference:
         layer = load_layer(layer, spec.to_module(weights), dtype, self.device, kept)
         gate_input = gate_input_module(self.config.kda_family, spec.module_name)
         return TransformersRunner(
-            layer, spec, self.hf_config, self.layer_kernels(), gate_input, self.gate_forward()
-        )
+            layer, spec, self.hf_config, self.layer_kernels(), gate_input, self.gate_forward(),
+            self.gradient_kernels(),
+        )  # fmt: skip
 
 
 class FlaReference(TransformersReference):
@@ -109,6 +121,11 @@ class FlaReference(TransformersReference):
 
     def layer_kernels(self) -> dict[str, Callable[..., Any]]:
         return {path: _layer_call(self.kernels, path) for path in PATHS}
+
+    def gradient_kernels(self) -> dict[str, Callable[..., Any]]:
+        if self.device == "cpu":  # the backward of fla's torch token recurrence (NaiveKernels.VJP_PATH)
+            return {path: _layer_call(self.kernels, NaiveKernels.VJP_PATH) for path in PATHS}
+        return self.layer_kernels()  # fla's Triton kernels have a backward
 
     def _gate_function(self) -> tuple[str, Callable[..., torch.Tensor]]:
         """fla's lower-bound gate on this device, and its name."""
@@ -191,6 +208,7 @@ class TransformersRunner:
         kernels: dict[str, Callable[..., Any]],
         gate_input: str,
         gate_forward: GateForward | None = None,
+        gradient_kernels: dict[str, Callable[..., Any]] | None = None,
     ):
         self.layer = layer
         self.spec = spec
@@ -198,6 +216,7 @@ class TransformersRunner:
         self.kernels = kernels
         self.gate_input = gate_input  # the submodule whose output is the raw gate
         self.gate_forward = gate_forward
+        self.gradient_kernels = gradient_kernels or kernels  # the kernel functions of `vjp`
 
     def _cache(self, state: torch.Tensor, dtype: torch.dtype) -> Any:
         """A cache from which the layer continues a sequence: recurrent `state` [1, H, D, D], conv zeros in
@@ -238,3 +257,71 @@ class TransformersRunner:
         return assemble_run(
             torch.cat(outputs, dim=1), recorder.calls, norms, len(inputs.spans), gate_inputs=gate_inputs
         )
+
+    def vjp(
+        self,
+        hidden: torch.Tensor,  # [T, hidden] in the run's dtype
+        inputs: CaseInputs,
+        initial_state: torch.Tensor | None,  # [N, H, D, D] float32, or None: zeros
+        dout: torch.Tensor,  # [T, hidden] float32
+        dht: torch.Tensor,  # [N, H, D, D] float32
+    ) -> dict[str, torch.Tensor]:
+        """The layer's backward under torch autograd: the gradients of `sum(out * dout) + sum(final_states *
+        dht)` for one prefill of the case's sequences, each from its initial state (zeros when None) and a
+        zero conv state, with respect to the hidden states, the initial states and every parameter, by
+        `kda_spec.layer_vjp`'s names (`hidden_states`, `initial_state`, the family's HF weight names), as
+        float32 tensors of the run's values. Each sequence runs alone (batch 1) through the layer, its kernel
+        functions `gradient_kernels`, each kernel call given the sequence's initial state and asked for its
+        final state."""
+        x = hidden.detach().requires_grad_()
+        if initial_state is None:
+            initial_state = torch.zeros_like(dht)
+        h0 = initial_state.detach().float().requires_grad_()
+        parameters = dict(self.layer.named_parameters())
+        modeling = self.spec.modeling()
+        loss = torch.zeros((), device=hidden.device)
+        with contextlib.ExitStack() as stack:
+            if self.gate_forward is not None:
+                stack.enter_context(
+                    replaced(self.layer.forget_gate, "forward", self.gate_forward(self.layer.forget_gate))
+                )
+            for index, (start, end) in enumerate(inputs.spans):
+                finals: list[torch.Tensor] = []
+                with contextlib.ExitStack() as calls:
+                    for path, function in self.gradient_kernels.items():
+                        from_state = _from_state(function, h0[index : index + 1], finals)
+                        calls.enter_context(replaced(modeling, _KERNEL_FUNCTIONS[path], from_state))
+                    out = self.layer(x[None, start:end])[0]
+                (final,) = finals
+                loss = (
+                    loss
+                    + (out.float() * dout[start:end]).sum()
+                    + (final.float() * dht[index : index + 1]).sum()
+                )
+        grads = torch.autograd.grad(loss, [x, h0, *parameters.values()], allow_unused=True)
+        named = {
+            name: torch.zeros_like(p) if grad is None else grad
+            for (name, p), grad in zip(parameters.items(), grads[2:])
+        }
+        weights = self.spec.from_module(
+            {name: grad.detach().float().cpu().numpy() for name, grad in named.items()}
+        )
+        return {
+            **{name: torch.from_numpy(array) for name, array in weights.items()},
+            "hidden_states": grads[0].detach().float().cpu(),
+            "initial_state": grads[1].detach().float().cpu(),
+        }
+
+
+def _from_state(
+    function: Callable[..., Any], state: torch.Tensor, finals: list[torch.Tensor]
+) -> Callable[..., Any]:
+    """Kernel `function` called with `initial_state=state` and `output_final_state=True`, whatever the layer
+    passed, its final state appended to `finals`; the layer gets the output and no state (it has no cache)."""
+
+    def kernel(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        o, final = function(*args, **{**kwargs, "initial_state": state, "output_final_state": True})
+        finals.append(final)
+        return o, None
+
+    return kernel

@@ -4,6 +4,8 @@ on both families; seeded defects (tests/conformance/layer_gradient_adapters.py) 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from conformance.adapters.kda_impl_adapter import KDAImplAdapter
@@ -42,10 +44,11 @@ def test_kda_impls_layer_gradients_pass_on_both_families(dumps) -> None:
     assert len(ratios) == len(GRADIENT_CHECKS) and max(ratios) < 1
 
 
-def test_a_bf16_layer_gradient_is_skipped_for_want_of_a_reference() -> None:
+def test_a_bf16_layer_gradient_without_a_dumped_reference_is_skipped() -> None:
+    """golden stores the reference's gradients for its cases of <= 65 tokens: T128 has none."""
     runner = CheckRunner(DumpSet(str(GOLDEN)), KDAImplAdapter, "auto", POLICY)
     with pytest.raises(CheckSkipped, match="no bf16 reference of the layer's gradients"):
-        runner.run(CheckSpec(CASE, "bf16", Check(kinds.LAYER_GRAD_X)))
+        runner.run(CheckSpec("T128", "bf16", Check(kinds.LAYER_GRAD_X)))
 
 
 def test_a_decay_parameters_gradient_one_percent_off_fails_its_check_alone() -> None:
@@ -60,3 +63,25 @@ def test_a_layer_that_reads_the_next_token_breaks_gradient_causality() -> None:
         layer_gradient_adapters.LookAheadLayer, DumpSet(str(GOLDEN)), (CAUSAL, Check(kinds.LAYER_GRAD_X))
     )
     assert not found[CAUSAL.name].passed and not found["layer-grad-x"].passed
+
+
+def test_a_bf16_weight_gradient_whose_terms_cancel_is_held_to_its_spread() -> None:
+    """golden varlen_unbalanced_5_17_1_41, bf16: A_log's gradient is 2 values, each a sum of T·D terms that
+    cancel; kda_impl's is 1.4e-2 from the truth (nRMSE), transformers' under autograd 4.9e-3. Over 20 draws
+    of the inputs the two are alike (median 5.7e-3 and 5.3e-3; each beyond twice the other in 3 of 20): the
+    reference drew a small rounding. Against the reference alone the check fails; held to the gradient's
+    spread (tolerances.toml `gradient_spread_lambda`) it passes, the spread named as its reference."""
+    dumps = DumpSet(str(GOLDEN))
+    spec = CheckSpec("varlen_unbalanced_5_17_1_41", "bf16", Check(kinds.LAYER_GRAD_WEIGHT, "A_log"))
+    without = dataclasses.replace(
+        POLICY,
+        relative={
+            **POLICY.relative,
+            "bf16": dataclasses.replace(POLICY.relative["bf16"], gradient_spread_lambda=0),
+        },
+    )
+    assert not CheckRunner(dumps, KDAImplAdapter, "auto", without).run(spec).comparison.passed
+    held = CheckRunner(dumps, KDAImplAdapter, "auto", POLICY).run(spec).comparison
+    assert held.passed, held.failures
+    nrmse = next(c for c in held.attribution.criteria if c.statistic == "nRMSE vs truth")
+    assert "gradient, every element moved by 2" in nrmse.reference_source

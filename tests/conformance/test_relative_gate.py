@@ -71,7 +71,7 @@ def test_the_default_policy_gates_intermediates_and_bf16_relatively_and_fp32_out
     assert policy.relative["fp32"] == RelativeLimits(
         2.0, 0.5, 2e-7, nrmse_lambda=1.0, margin_lambda=5.0, spread_lambda=0.5
     )
-    assert policy.relative["bf16"] == RelativeLimits(2.0, 0.5, 1e-4)
+    assert policy.relative["bf16"] == RelativeLimits(2.0, 0.5, 1e-4, gradient_spread_lambda=2.0)
     assert policy.gate["fp32"].atol == 1e-5  # the absolute numbers are unchanged
 
 
