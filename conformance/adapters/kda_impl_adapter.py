@@ -104,6 +104,9 @@ class KDAImplAdapter(
         self._layer_idx = min((i - 1 for i in self.config.kda_layers), default=0)
         module = self._new_layer(self.weights, "the dump's weights")
         self._backend = self.backend_class(kernel=self._kernel)
+        # The layer's backward runs on the plain-JAX kernels, under `auto` too (its Pallas kernels have none;
+        # on a TPU `auto` picks them for the forward), as the chunk kernel's vjp does.
+        self._vjp_backend = self.backend_class(kernel="naive")
         self._forward = jit_forward(module, return_intermediates=True)
         self._params = nnx.split(module)[1]
         self._vjp = jit_vjp(module)
@@ -201,7 +204,9 @@ class KDAImplAdapter(
     ) -> LayerResult:
         num_seqs = seq_lens.size
         try:
-            batch, pool, slots, pool_rows, token_rows = self._prepared(mode, seq_lens, MIN_TOKEN_BUCKET)
+            batch, pool, slots, pool_rows, token_rows = self._prepared(
+                mode, seq_lens, MIN_TOKEN_BUCKET, self._backend
+            )
             if carry is not None:
                 carried = _with_states(pool, self._layer_idx, pool_rows, carry.recurrent, carry.conv)
                 pool = carried.with_allocators_of(pool)
@@ -222,19 +227,19 @@ class KDAImplAdapter(
         )
 
     def _prepared(
-        self, mode: ForwardMode, seq_lens: np.ndarray, min_tokens: int
+        self, mode: ForwardMode, seq_lens: np.ndarray, min_tokens: int, backend: KDAAttnBackend
     ) -> tuple[Any, RecurrentStatePool, list[Any], np.ndarray, np.ndarray]:
-        """A forward batch of N sequences of `seq_lens` (padded to at least `min_tokens` tokens), dealt out
-        round-robin to the data ranks, each on fresh zeroed slots of the adapter's pool: (batch, pool,
-        each rank's slots, each sequence's pool row i32[N], each token's batch row i64[T], in the
-        caller's order). `_release` frees the slots."""
+        """A forward batch of N sequences of `seq_lens` (padded to at least `min_tokens` tokens) for
+        `backend`, dealt out round-robin to the data ranks, each on fresh zeroed slots of the adapter's
+        pool: (batch, pool, each rank's slots, each sequence's pool row i32[N], each token's batch row
+        i64[T], in the caller's order). `_release` frees the slots."""
         dp, _ = mesh_sizes(self._mesh)
         num_seqs = seq_lens.size
         ranks = [np.arange(rank, num_seqs, dp) for rank in range(dp)]  # sequences dealt round-robin
         pool = self._pool_with_room(max(seqs.size for seqs in ranks))
         slots = [pool.alloc(seqs.size, dp_rank=rank) for rank, seqs in enumerate(ranks)]  # zeroed
         batch = make_dp_forward_batch(
-            self._backend,
+            backend,
             mode,
             [seq_lens[seqs] for seqs in ranks],
             [pool.get_recurrent_indices(rank_slots, rank) for rank, rank_slots in enumerate(slots)],
@@ -260,10 +265,10 @@ class KDAImplAdapter(
     # --- the layer's gradients ------------------------------------------------------------------------
 
     def layer_vjp(self, hidden_states, cu_seqlens, initial_state, dout, dht):
-        """The layer's gradients by JAX's autodiff of its extend forward (`jit_vjp`), on the batch padded
-        to the kernel calls' token bucket (one compilation serves every case up to 1024 tokens), the
-        cotangents of the padding zeros. kda_impl's Pallas kernels have no backward: with `--kernel
-        pallas` this raises NotImplementedError (the checks skip)."""
+        """The layer's gradients by JAX's autodiff of its extend forward (`jit_vjp`) on its plain-JAX
+        kernels, on the batch padded to the kernel calls' token bucket (one compilation serves every case
+        up to 1024 tokens), the cotangents of the padding zeros. kda_impl's Pallas kernels have no
+        backward: with `--kernel pallas` this raises NotImplementedError (the checks skip)."""
         if self._kernel == "pallas":
             raise NotImplementedError("kda_impl's Pallas kernels have no backward; its plain-JAX layer has")
         seq_lens = seq_lens_from_cu_seqlens(cu_seqlens, hidden_states.shape[0])
@@ -273,7 +278,7 @@ class KDAImplAdapter(
             init = initial_state
         try:
             batch, pool, slots, pool_rows, token_rows = self._prepared(
-                ForwardMode.EXTEND, seq_lens, KERNEL_MIN_TOKEN_BUCKET
+                ForwardMode.EXTEND, seq_lens, KERNEL_MIN_TOKEN_BUCKET, self._vjp_backend
             )
             x = _scattered(hidden_states, token_rows, batch.num_tokens).astype(self._run_dtype)
             # The sequences padded to the request bucket, as the batch's requests are (one compilation

@@ -81,11 +81,11 @@ RAW_GATE_KERNEL_TRUTH_SOURCE = (
 OWN_INPUTS_TRUTH_SOURCE = "float64 recurrence on the layer's own q, k, v, g, beta (its intermediates)"
 GRADIENT_TRUTH_SOURCE = (
     "float64 recurrence's vector-Jacobian product (kda_spec.truth.packed_delta_rule_vjp) on the dumped "
-    "kernel inputs, the cotangents seeded by the case"
+    "kernel inputs, for the case's cotangents (the dump's, else seeded by the case)"
 )
 LAYER_GRADIENT_TRUTH_SOURCE = (
-    "float64 layer's vector-Jacobian product (kda_spec.layer_vjp) on the dump's inputs and weights, the "
-    "cotangents seeded by the case"
+    "float64 layer's vector-Jacobian product (kda_spec.layer_vjp) on the dump's inputs and weights, for "
+    "the case's cotangents (the dump's, else seeded by the case)"
 )
 # The unit roundoff of each run's arithmetic: a layer weight gradient's spread is in its units.
 UNIT_ROUNDOFF = {"fp32": FP32_UNIT_ROUNDOFF, "bf16": 2.0**-8}

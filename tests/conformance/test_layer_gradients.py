@@ -85,3 +85,9 @@ def test_a_bf16_weight_gradient_whose_terms_cancel_is_held_to_its_spread() -> No
     assert held.passed, held.failures
     nrmse = next(c for c in held.attribution.criteria if c.statistic == "nRMSE vs truth")
     assert "gradient, every element moved by 2" in nrmse.reference_source
+
+
+def test_under_pallas_kernels_the_layer_gradients_are_skipped_with_the_reason() -> None:
+    runner = CheckRunner(DumpSet(str(GOLDEN)), KDAImplAdapter, "pallas", POLICY)
+    with pytest.raises(CheckSkipped, match="Pallas kernels have no backward"):
+        runner.run(CheckSpec(CASE, "fp32", Check(kinds.LAYER_GRAD_X)))
