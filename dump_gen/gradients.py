@@ -18,6 +18,7 @@ import torch
 
 from dump_gen.inputs import CaseInputs
 from dump_gen.kernels import KernelBackend, KernelCall
+from dump_gen.references.base import LayerBackward
 from kda_spec.config import KDAConfig
 from kda_spec.dump_format import FP32_IN_BF16_RUN, float32_to_bf16_bits
 from kda_spec.gradients import kernel_cotangents, layer_cotangents, layer_gradient_results
@@ -28,7 +29,7 @@ KERNEL_STAGES = ("q_after_conv", "k_after_conv", "v_after_conv", "g", "beta")
 
 
 def gradient_arrays(
-    runner: object,  # the reference layer of the run (`TransformersRunner`: its `vjp`)
+    runner: LayerBackward,  # the reference layer of the run
     kernels: KernelBackend,
     inputs: CaseInputs,
     stages: dict[str, torch.Tensor],  # the run's results by dump name (`KERNEL_STAGES` among them)
@@ -45,7 +46,7 @@ def gradient_arrays(
     device = hidden.device
     kernel = kernel_gradients(kernels, inputs, stages, do, dht, device)
     state = None if inputs.initial_state is None else torch.from_numpy(inputs.initial_state).to(device)
-    layer = runner.vjp(  # type: ignore[attr-defined]
+    layer = runner.vjp(
         hidden, inputs, state, torch.from_numpy(dout).to(device), torch.from_numpy(layer_dht).to(device)
     )
     layer_results = layer_gradient_results({name: g.numpy() for name, g in layer.items()}, config)

@@ -31,6 +31,20 @@ class LayerRunner(Protocol):
         """hidden: [T, hidden] in the run's dtype; initial_state: [N, H, D, D] float32 or None."""
 
 
+class LayerBackward(Protocol):
+    def vjp(
+        self,
+        hidden: torch.Tensor,
+        inputs: CaseInputs,
+        initial_state: torch.Tensor | None,
+        dout: torch.Tensor,
+        dht: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """The layer's gradients under torch autograd (`TransformersRunner.vjp`): of the hidden states, the
+        initial states and every weight, by `kda_spec.layer_vjp`'s names. A runner without it writes no
+        gradients."""
+
+
 class Reference(Protocol):
     name: str
 
