@@ -82,14 +82,14 @@ def layer_vjp(
         return a.reshape(tokens, -1)
 
     grads: dict[str, np.ndarray] = {}
-    term_squares: dict[str, np.ndarray] = {}
     dx = np.zeros_like(x)
 
     def project_back(a: np.ndarray, name: str, dy: np.ndarray) -> np.ndarray:
         """Adds the gradient of `name`'s weight for `y = a Wᵀ`; returns the gradient of `a`."""
         weight = w[f"{name}.weight"]
         grads[f"{name}.weight"] = dy.T @ a
-        term_squares[f"{name}.weight"] = (dy * dy).T @ (a * a)
+        if squares is not None:
+            squares[f"{name}.weight"] = (dy * dy).T @ (a * a)
         return dy @ weight
 
     # forward, keeping what the adjoints read
@@ -119,7 +119,8 @@ def layer_vjp(
     # output projection and gated RMSNorm
     dy = per_head(project_back(flat(n_o * norm_weight * gate), "o_proj", np.asarray(dout, dtype)))
     grads["o_norm.weight"] = np.sum(dy * n_o * gate, axis=(0, 1))
-    term_squares["o_norm.weight"] = np.sum((dy * n_o * gate) ** 2, axis=(0, 1))
+    if squares is not None:
+        squares["o_norm.weight"] = np.sum((dy * n_o * gate) ** 2, axis=(0, 1))
     dz = dy * n_o * norm_weight * gate * (1 - gate)
     dn = dy * norm_weight * gate
     do = r * (dn - n_o * np.mean(dn * n_o, axis=-1, keepdims=True))
@@ -144,9 +145,10 @@ def layer_vjp(
         df = rec["dg"] * -rate * np.where(f > SOFTPLUS_THRESHOLD, 1, sigmoid(f))
         a_log_terms = rec["dg"] * g
     grads["A_log"] = np.sum(a_log_terms, axis=(0, 2)).reshape(w["A_log"].shape)
-    term_squares["A_log"] = np.sum(a_log_terms**2, axis=(0, 2)).reshape(w["A_log"].shape)
     grads["dt_bias"] = np.sum(df, axis=0).reshape(w["dt_bias"].shape)
-    term_squares["dt_bias"] = np.sum(df * df, axis=0).reshape(w["dt_bias"].shape)
+    if squares is not None:
+        squares["A_log"] = np.sum(a_log_terms**2, axis=(0, 2)).reshape(w["A_log"].shape)
+        squares["dt_bias"] = np.sum(df * df, axis=0).reshape(w["dt_bias"].shape)
     dfa = project_back(fa, "f_b_proj", flat(df))
     dx += project_back(x, "f_a_proj", dfa)
 
@@ -161,12 +163,10 @@ def layer_vjp(
         s = sigmoid(c)
         dc = flat(activation_grads[n]) * s * (1 + c * (1 - s))
         du, grads[f"{n}_conv1d.weight"] = causal_conv_vjp(u, w[f"{n}_conv1d.weight"], spans, dc)
-        _, term_squares[f"{n}_conv1d.weight"] = causal_conv_vjp(
-            u * u, w[f"{n}_conv1d.weight"], spans, dc * dc
-        )
+        if squares is not None:
+            weight = w[f"{n}_conv1d.weight"]
+            _, squares[f"{n}_conv1d.weight"] = causal_conv_vjp(u * u, weight, spans, dc * dc)
         dx += project_back(x, f"{n}_proj", du)
-    if squares is not None:
-        squares.update(term_squares)
     return {
         **family_weights(config, grads),
         HIDDEN_STATES_GRADIENT: dx,
