@@ -4,7 +4,7 @@
         [--hub-snapshot DIR] [--checkpoint DIR --layer N] [--cases ID|long ...] [--seed N] [--device cpu|cuda]
         [--weights synthetic|stress] [--hidden-size N] [--num-heads N] [--head-dim N] [--conv-size N]
         [--rms-norm-eps X] [--gate-lower-bound L] [--threads N] [--truth-intermediates-max-tokens N]
-        [--gradients-max-tokens N]
+        [--gradient-cases ID ...|none]
 
 Exit status: 0 the set was written; 2 a problem the user can fix, reported on one line (a bad flag,
 checkpoint or destination, a reference that produced NaN/Inf, the torch references' extra not
@@ -23,10 +23,10 @@ import time
 from dump_gen.errors import DumpError
 from dump_gen.references import REFERENCES
 from kda_spec.config import PRESETS, KDAConfig, get_preset
-from kda_spec.dump_format import CASE_GROUPS, CASES_BY_ID, select_cases
+from kda_spec.dump_format import CASE_GROUPS, CASES_BY_ID, LONG_GROUP, CaseSpec, select_cases
 from kda_spec.extras import missing_extra
 from kda_spec.families import KIMI_LINEAR
-from kda_spec.gradients import GRADIENTS_MAX_TOKENS
+from kda_spec.gradients import GRADIENTS_MAX_TOKENS, default_gradient_cases
 from kda_spec.storage import StorageError
 from kda_spec.synthetic_weights import WEIGHTS_KINDS
 from kda_spec.truth import INTERMEDIATES_MAX_TOKENS
@@ -60,7 +60,9 @@ class Options:
         "synthetic"  # the synthetic kind (kda_spec.synthetic_weights.WEIGHTS_KINDS) unless --checkpoint
     )
     truth_intermediates_max_tokens: int = INTERMEDIATES_MAX_TOKENS
-    gradients_max_tokens: int = GRADIENTS_MAX_TOKENS
+    gradient_cases: tuple[str, ...] | None = (
+        None  # the cases whose reference gradients are stored (None: default)
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,13 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"{INTERMEDIATES_MAX_TOKENS}; the output's and the states' truth is stored for every case)",
     )
     parser.add_argument(
-        "--gradients-max-tokens",
-        type=int,
-        default=GRADIENTS_MAX_TOKENS,
-        metavar="N",
+        "--gradient-cases",
+        nargs="+",
+        metavar="ID",
         help="store the reference's gradients (the chunk kernel's and the layer's, under torch autograd) and "
-        f"their cotangents for cases of at most N tokens (default {GRADIENTS_MAX_TOKENS}; 0: none; a long "
-        "case never)",
+        f"their cotangents for these of the cases (default: those of at most {GRADIENTS_MAX_TOKENS} tokens; "
+        "none: for no case; a long case never)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     for flag, field, kind in _OVERRIDES:
@@ -173,8 +174,6 @@ def parse_options(argv: list[str] | None) -> Options:
         raise DumpError(
             f"--truth-intermediates-max-tokens must be >= 0, got {args.truth_intermediates_max_tokens}"
         )
-    if args.gradients_max_tokens < 0:
-        raise DumpError(f"--gradients-max-tokens must be >= 0, got {args.gradients_max_tokens}")
     return Options(
         out=args.out,
         overwrite=args.overwrite,
@@ -190,8 +189,28 @@ def parse_options(argv: list[str] | None) -> Options:
         progress=not args.no_progress,
         weights=args.weights,
         truth_intermediates_max_tokens=args.truth_intermediates_max_tokens,
-        gradients_max_tokens=args.gradients_max_tokens,
+        gradient_cases=gradient_cases(args.gradient_cases, select_cases(args.cases)),
     )
+
+
+def gradient_cases(named: list[str] | None, cases: tuple[CaseSpec, ...]) -> tuple[str, ...]:
+    """The ids of `cases` whose reference gradients the set stores: `named` (`--gradient-cases`; `none`:
+    no case), else `kda_spec.gradients.default_gradient_cases`. A DumpError names an id that is not among
+    the cases, or a long case's."""
+    if named is None:
+        return default_gradient_cases(cases)
+    if named == ["none"]:
+        return ()
+    by_id = {case.case_id: case for case in cases}
+    unknown = [name for name in named if name not in by_id]
+    if unknown:
+        raise DumpError(f"--gradient-cases {unknown}: not among the set's cases {list(by_id)}")
+    long = [name for name in named if by_id[name].group == LONG_GROUP]
+    if long:
+        raise DumpError(
+            f"--gradient-cases {long}: a long case stores no gradients (its [T, H, D] results neither)"
+        )
+    return tuple(dict.fromkeys(named))
 
 
 def run(options: Options) -> dict:
@@ -232,7 +251,7 @@ def run(options: Options) -> dict:
             device=options.device,
             progress=options.progress,
             truth_intermediates_max_tokens=options.truth_intermediates_max_tokens,
-            gradients_max_tokens=options.gradients_max_tokens,
+            gradient_cases=options.gradient_cases,
         )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata
 from collections import Counter
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -36,7 +37,7 @@ from kda_spec.dump_format import (
     truth_key,
 )
 from kda_spec.dump_writer import DumpSetWriter, TruthBlock
-from kda_spec.gradients import GRADIENTS_MAX_TOKENS
+from kda_spec.gradients import default_gradient_cases
 from kda_spec.storage import DumpWriter
 from kda_spec.truth import (
     BLOCK_TOKENS,
@@ -197,16 +198,13 @@ def case_arrays(
     return arrays, paths_by_dtype["fp32"]
 
 
-def gradient_block(
-    kernels: KernelBackend, cases: list[str], max_tokens: int, available: bool
-) -> dict[str, Any]:
+def gradient_block(kernels: KernelBackend, cases: list[str], available: bool) -> dict[str, Any]:
     """The manifest's account of the gradient keys (kda_spec.gradients): which cases hold them and how the
     reference computed them."""
     if not available:
         return {"cases": [], "note": "this reference has no backward run here (no `vjp`): no gradients"}
     return {
         "cases": cases,
-        "max_tokens": max_tokens,
         "kernel": f"{kernels.VJP_PATH} path of {kernels.name} under torch autograd",
         "layer": "the reference layer under torch autograd (its patches name any kernel it swaps)",
         "cotangents": "kda_spec.gradients (seeded by the case id and the run's dtype), stored beside",
@@ -233,10 +231,12 @@ def generate(
     device: str,
     progress: bool = True,
     truth_intermediates_max_tokens: int = INTERMEDIATES_MAX_TOKENS,
-    gradients_max_tokens: int = GRADIENTS_MAX_TOKENS,
+    gradient_cases: Collection[str] | None = None,
 ) -> dict[str, Any]:
     """Write one dump set of `cases` to `writer`; returns the manifest, written last. The caller holds
-    `writer` as a context manager, so that whatever stops the run (an error, Ctrl-C) undoes what it wrote."""
+    `writer` as a context manager, so that whatever stops the run (an error, Ctrl-C) undoes what it wrote.
+    `gradient_cases`: the ids of the cases whose reference gradients it stores (None: the default,
+    `kda_spec.gradients.default_gradient_cases`)."""
     for name, array in weights.items():
         check_finite(array, f"weight {name!r} ({weights_source})")
     dump_set = DumpSetWriter(writer)
@@ -246,17 +246,18 @@ def generate(
     truth_weights = {dtype: run_weights(weights, dtype, config) for dtype in RUN_DTYPES}
     stored_truth: set[str] = set()
     with_gradients = all(hasattr(runner, "vjp") for runner in runners.values())  # the hub's has none
-    gradient_cases: list[str] = []
+    wanted = set(default_gradient_cases(cases) if gradient_cases is None else gradient_cases)
+    stored_gradients: list[str] = []
     bar = tqdm(cases, desc="dump", unit="case", disable=not progress)
     for case in bar:
         bar.set_postfix_str(case.case_id)
         inputs = case_inputs(case, config, seed)
-        gradients = with_gradients and case.group != LONG_GROUP and case.total_tokens <= gradients_max_tokens
+        gradients = with_gradients and case.case_id in wanted
         arrays, paths = case_arrays(case, inputs, runners, kernels, config, device, gradients)
         names = truth_names(case, truth_intermediates_max_tokens)
         arrays.update(truth_arrays(case, inputs, truth_weights, config, names))
         if gradients:
-            gradient_cases.append(case.case_id)
+            stored_gradients.append(case.case_id)
         stored_truth.update(names)
         dump_set.write_case(
             case, arrays, layer_kernel_path=main_path(case, paths), layer_kernel_path_per_seq=paths
@@ -267,7 +268,7 @@ def generate(
             "name": reference.name,
             **reference.describe(),
             "kernel_keys": kernels.name,
-            "gradients": gradient_block(kernels, gradient_cases, gradients_max_tokens, with_gradients),
+            "gradients": gradient_block(kernels, stored_gradients, with_gradients),
         },
         precision=precision_block(device),  # read back after the runs: what they ran with
         seed=seed,

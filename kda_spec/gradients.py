@@ -12,7 +12,8 @@ gradient split exactly into its q, k and v thirds.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,6 +21,9 @@ from kda_spec.config import KDAConfig
 from kda_spec.families import canonical_weight_shapes, canonical_weights
 from kda_spec.layer_vjp import HIDDEN_STATES_GRADIENT, INITIAL_STATE_GRADIENT
 from kda_spec.truth import GRADIENT_NAMES
+
+if TYPE_CHECKING:
+    from kda_spec.dump_format import CaseSpec
 
 # The canonical weights whose gradients the layer's checks judge, by name without `.weight` (any config
 # has the same names: a preset's).
@@ -30,10 +34,18 @@ LAYER_GRADIENT_WEIGHTS = tuple(
 # The results of a layer's vjp, by check result: the input's, the initial states', each weight's.
 LAYER_GRADIENT_RESULTS = ("dx", "dh0", *(f"d{name}" for name in LAYER_GRADIENT_WEIGHTS))
 
-# dump_gen stores the reference's gradients for cases of at most this many tokens (`--gradients-max-tokens`):
-# a layer's weight gradients are as large as its weights whatever the case (600 KiB a run at the mini size,
-# 160 MiB at the real size), so a set carries them for its short cases by default.
+# dump_gen stores the reference's gradients, unless told which cases (`--gradient-cases`), for the cases of
+# at most this many tokens: a layer's weight gradients are as large as its weights whatever the case (600
+# KiB a run at the mini size, 160 MiB at the real size), so a set carries them for its short cases.
 GRADIENTS_MAX_TOKENS = 65
+
+
+def default_gradient_cases(cases: Sequence[CaseSpec]) -> tuple[str, ...]:
+    """The ids of `cases` dump_gen stores the reference's gradients of by default: those of at most
+    `GRADIENTS_MAX_TOKENS` tokens, none of a long group."""
+    return tuple(c.case_id for c in cases if c.group is None and c.total_tokens <= GRADIENTS_MAX_TOKENS)
+
+
 # A dump's gradient keys, each the name of a result of a run (suffix `_bf16` in the bf16 run,
 # `dump_format.result_key`): the chunk kernel's cotangents and reference gradients, the layer's.
 KERNEL_COTANGENT_KEYS = ("grad_chunk_do", "grad_chunk_dht")

@@ -65,14 +65,21 @@ def test_a_layer_that_reads_the_next_token_breaks_gradient_causality() -> None:
     assert not found[CAUSAL.name].passed and not found["layer-grad-x"].passed
 
 
-def test_a_bf16_weight_gradient_whose_terms_cancel_is_held_to_its_spread() -> None:
-    """golden varlen_unbalanced_5_17_1_41, bf16: A_log's gradient is 2 values, each a sum of T·D terms that
-    cancel; kda_impl's is 1.4e-2 from the truth (nRMSE), transformers' under autograd 4.9e-3. Over 20 draws
-    of the inputs the two are alike (median 5.7e-3 and 5.3e-3; each beyond twice the other in 3 of 20): the
-    reference drew a small rounding. Against the reference alone the check fails; held to the gradient's
-    spread (tolerances.toml `gradient_spread_lambda`) it passes, the spread named as its reference."""
-    dumps = DumpSet(str(GOLDEN))
-    spec = CheckSpec("varlen_unbalanced_5_17_1_41", "bf16", Check(kinds.LAYER_GRAD_WEIGHT, "A_log"))
+@pytest.mark.torch
+def test_a_bf16_weight_gradient_whose_terms_cancel_is_held_to_its_spread(tmp_path) -> None:
+    """golden's varlen_unbalanced_5_17_1_41 (made again here, with the reference's gradients), bf16: A_log's
+    gradient is 2 values, each a sum of T·D terms that cancel; kda_impl's is 1.4e-2 from the truth (nRMSE),
+    transformers' under autograd 4.9e-3. Over 20 draws of the inputs the two are alike (median 5.7e-3 and
+    5.3e-3; each beyond twice the other in 3 of 20): the reference drew a small rounding. Against the
+    reference alone the check fails; held to the gradient's spread (tolerances.toml
+    `gradient_spread_lambda`) it passes, the spread named as its reference."""
+    from dump_gen.cli import main
+
+    case = "varlen_unbalanced_5_17_1_41"
+    out = tmp_path / "set"
+    assert main(["--out", str(out), "--preset", "mini", "--cases", case, "--no-progress"]) == 0
+    dumps = DumpSet(str(out))
+    spec = CheckSpec(case, "bf16", Check(kinds.LAYER_GRAD_WEIGHT, "A_log"))
     without = dataclasses.replace(
         POLICY,
         relative={

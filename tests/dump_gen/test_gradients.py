@@ -76,8 +76,8 @@ def test_the_stored_cotangents_are_the_seeded_ones(transformers_set: Path) -> No
                     np.testing.assert_array_equal(case.result(key, dtype), array, err_msg=f"{case_id} {key}")
 
 
-def test_a_case_over_the_limit_has_no_gradients(tmp_path: Path) -> None:
-    assert dump(tmp_path / "set", "--gradients-max-tokens", "64", cases=["T65", "T64"]) == 0
+def test_only_the_named_cases_carry_gradients(tmp_path: Path) -> None:
+    assert dump(tmp_path / "set", "--gradient-cases", "T64", cases=["T65", "T64"]) == 0
     dumps = DumpSet(str(tmp_path / "set"))
     keys = {case_id: set(dumps.case(case_id).arrays) for case_id in ("T64", "T65")}
     every = {fmt.result_key(name, dtype) for name in GRADIENT_KEYS for dtype in fmt.DTYPES}
@@ -85,10 +85,24 @@ def test_a_case_over_the_limit_has_no_gradients(tmp_path: Path) -> None:
     assert dumps.manifest["reference"]["gradients"]["cases"] == ["T64"]
 
 
-def test_a_negative_limit_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert dump(tmp_path / "set", "--gradients-max-tokens", "-1") == 2
-    assert "--gradients-max-tokens must be >= 0, got -1" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("named", "message"),
+    [
+        (["T8"], "--gradient-cases ['T8']: not among the set's cases ['T1', 'T65', 'varlen_initstate']"),
+        (["T65", "long"], "--gradient-cases ['long']: not among the set's cases"),
+    ],
+)
+def test_a_gradient_case_outside_the_set_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], named: list[str], message: str
+) -> None:
+    assert dump(tmp_path / "set", "--gradient-cases", *named) == 2
+    assert message in capsys.readouterr().err
     assert not (tmp_path / "set").exists()
+
+
+def test_a_long_case_has_no_gradients_to_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert dump(tmp_path / "set", "--gradient-cases", "long_T16384", cases=["T1", "long"]) == 2
+    assert "--gradient-cases ['long_T16384']: a long case stores no gradients" in capsys.readouterr().err
 
 
 def test_fla_naive_chunk_backward_is_nan_where_its_masked_decays_overflow() -> None:
